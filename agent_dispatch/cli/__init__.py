@@ -1,0 +1,80 @@
+"""The ``agent-dispatch`` command line.
+
+Exit codes: 0 success; 1 the command ran and found a failure (a failed doctor check, a job
+that failed); 2 bad usage or an invalid setting (one line names it); 3 a required service
+is unreachable; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from agent_dispatch import settings as settings_module
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+EXIT_INTERRUPTED = 130
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from agent_dispatch.cli._doctor import run_doctor
+
+    return run_doctor(args)
+
+
+def _not_yet(name: str) -> Handler:
+    def handler(args: argparse.Namespace) -> int:
+        settings_module.load_or_exit(f"agent-dispatch {name}")
+        print(f"agent-dispatch {name}: not available in this build yet", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+
+    return handler
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agent-dispatch",
+        description="Queue-driven dispatcher for AI-agent turns with fenced leases.",
+        epilog="Exit codes: 0 ok, 1 failure found, 2 bad usage or setting, 3 service unreachable, 130 interrupted.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    doctor = sub.add_parser("doctor", help="check settings, lease recovery, transport and schema")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.set_defaults(handler=_doctor)
+
+    for name, help_text in [
+        ("up", "run a gateway and workers locally on SQLite (no servers needed)"),
+        ("submit", "submit an agent turn"),
+        ("jobs", "show, list, watch or cancel jobs"),
+        ("worker", "run a worker (same as agent-dispatch-worker)"),
+        ("operator", "run the Kubernetes operator (same as agent-dispatch-operator)"),
+        ("gateway", "run the HTTP gateway"),
+        ("migrate", "create or upgrade the WorkItem and queue schema"),
+    ]:
+        sub.add_parser(name, help=help_text).set_defaults(handler=_not_yet(name))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.handler(args)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    return code
+
+
+def worker_main() -> int:
+    return main(["worker", *sys.argv[1:]])
+
+
+def operator_main() -> int:
+    return main(["operator", *sys.argv[1:]])

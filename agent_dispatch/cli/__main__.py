@@ -1,0 +1,5 @@
+import sys
+
+from agent_dispatch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,136 @@
+"""Shared plumbing for the loopback test services: cache paths, ports, processes, logs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+CACHE_ROOT = Path(os.environ.get("AGENT_DISPATCH_CACHE", Path.home() / ".cache" / "agent-dispatch"))
+
+
+class ServiceUnavailable(RuntimeError):
+    """A test service could not be installed or started; the message ends with its log tail."""
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+def cache_dir(*parts: str) -> Path:
+    path = CACHE_ROOT.joinpath(*parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(text[-lines:])
+
+
+def progress(message: str) -> None:
+    """Long set-up steps (builds, downloads) say what they are doing on stderr."""
+    print(f"[testenv] {message}", file=sys.stderr, flush=True)
+
+
+def run_logged(
+    cmd: Sequence[str | os.PathLike[str]],
+    log: Path,
+    *,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> None:
+    """Run a set-up command, appending its output to ``log``; raise ServiceUnavailable with the tail."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        out.write(f"\n$ {' '.join(map(str, cmd))}\n".encode())
+        out.flush()
+        try:
+            proc = subprocess.run(
+                list(map(str, cmd)),
+                cwd=cwd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise ServiceUnavailable(f"{cmd[0]} timed out after {timeout}s\n{log_tail(log)}") from exc
+    if proc.returncode != 0:
+        raise ServiceUnavailable(f"{' '.join(map(str, cmd[:3]))} exited {proc.returncode}\n{log_tail(log)}")
+
+
+def wait_until(
+    check: Callable[[], bool],
+    *,
+    timeout: float,
+    what: str,
+    log: Path | None = None,
+    proc: subprocess.Popen[bytes] | None = None,
+    interval: float = 0.2,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log_tail(log) if log else ""
+            raise ServiceUnavailable(f"{what} exited with code {proc.returncode}\n{tail}")
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        time.sleep(interval)
+    tail = log_tail(log) if log else ""
+    raise ServiceUnavailable(f"{what} not ready after {timeout:.0f}s\n{tail}")
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 10) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix=f"agent-dispatch-{prefix}-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def go_env() -> dict[str, str]:
+    """Environment for Go builds: caches live beside the project's other cached artefacts."""
+    env = dict(os.environ)
+    env.setdefault("GOMODCACHE", str(cache_dir("go", "mod")))
+    env.setdefault("GOCACHE", str(cache_dir("go", "build")))
+    env.setdefault("GOFLAGS", "-mod=mod")
+    env.setdefault("CGO_ENABLED", "0")
+    return env

@@ -1,0 +1,96 @@
+"""The doctor reports lease recovery and never leaks hostnames, usernames or paths."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from agent_dispatch import doctor
+from agent_dispatch.settings import load
+
+BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "TASK_QUEUE", "STATE_DB", "KAFKA_"))}
+
+
+def run_doctor(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent_dispatch.cli", "doctor", *args],
+        env={**BASE_ENV, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_lease_recovery_reports_ttl_renew_and_rto() -> None:
+    check = doctor.lease_recovery(load(AGENT_DISPATCH_CLAIM_TTL_S=90, AGENT_DISPATCH_RENEW_INTERVAL_S=20))
+    assert check.name == "dispatch_lease_recovery"
+    assert check.status == "ok"
+    assert check.data["claim_ttl_s"] == 90
+    assert check.data["renew_interval_s"] == 20
+    assert check.data["rto_s"] == 300
+    assert check.data["worst_case_recovery_s"] == 105
+
+
+def test_lease_recovery_warns_when_sweep_pushes_past_rto() -> None:
+    check = doctor.lease_recovery(load(AGENT_DISPATCH_CLAIM_TTL_S=300, AGENT_DISPATCH_SWEEP_INTERVAL_S=60))
+    assert check.status == "warn"
+    assert "exceeds the 300s RTO" in check.detail
+
+
+def test_doctor_cli_table_and_json() -> None:
+    proc = run_doctor({"AGENT_DISPATCH_SIGNING_KEY": "k" * 40})
+    assert proc.returncode == 0, proc.stderr
+    assert "dispatch_lease_recovery  ok" in proc.stdout
+    proc = run_doctor({}, "--json")
+    report = json.loads(proc.stdout)
+    names = {c["name"]: c for c in report["checks"]}
+    assert names["dispatch_lease_recovery"]["data"]["rto_s"] == 300
+    assert names["signing_key"]["status"] == "warn"
+    assert report["status"] == "warn"
+
+
+SECRETS = {
+    "STATE_DB_URI": "postgresql://alice-dbuser:pw@pg-secret-host.corp.example:5432/agents",
+    "KAFKA_BOOTSTRAP_SERVERS": "kafka-secret-1.corp.example:9092,kafka-secret-2:9093",
+    "AGENT_DISPATCH_DATA_DIR": "/srv/secret-tenant-dir/data",
+    "TASK_QUEUE_BACKEND": "kafka",
+}
+
+
+@pytest.mark.parametrize("fmt", [(), ("--json",)])
+def test_doctor_redacts_hosts_users_and_paths(fmt: tuple[str, ...]) -> None:
+    proc = run_doctor(SECRETS, *fmt)
+    out = proc.stdout + proc.stderr
+    assert "dispatch_lease_recovery" in out
+    for needle in [
+        "alice-dbuser",
+        "pg-secret-host",
+        "kafka-secret-1",
+        "kafka-secret-2",
+        "corp.example",
+        "/srv/secret-tenant-dir",
+        "secret-tenant-dir",
+        socket.gethostname(),
+        getpass.getuser() if getpass.getuser() != "root" else "/root",
+        os.path.expanduser("~"),
+    ]:
+        assert needle not in out, needle
+
+
+def test_redact_scrubs_free_text() -> None:
+    host = socket.gethostname()
+    text = (
+        f"connect to postgresql://bob@db.internal:5432/x failed on {host} "
+        f"reading /home/bob/.config/agent-dispatch/tokens and kafka-1.internal:9092"
+    )
+    cleaned = doctor.redact(text)
+    for needle in ["bob", "db.internal", host, "/home", "kafka-1.internal"]:
+        assert needle not in cleaned
+    assert "postgresql://<redacted>" in cleaned
