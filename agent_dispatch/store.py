@@ -1,0 +1,140 @@
+"""The WorkItem authority: one small Protocol, implementations in ``agent_dispatch.stores``.
+
+Every implementation obeys ``tests/contract/test_store_contract.py``. The logic that does not
+depend on the database (validation, backoff, bounding error text) lives here, once.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Final, Protocol, runtime_checkable
+
+from agent_dispatch.errors import PayloadTooLarge
+from agent_dispatch.models import (
+    CommitResult,
+    Lease,
+    Outcome,
+    OutcomeRecord,
+    SubmitRequest,
+    SubmitResult,
+    WorkItem,
+    WorkState,
+)
+
+#: Schema version this code needs; stores refuse older databases (run ``agent-dispatch migrate``).
+SCHEMA_VERSION: Final = 1
+MAX_ERROR_CHARS: Final = 2000
+MAX_TENANT_CHARS: Final = 200
+
+
+@runtime_checkable
+class WorkItemStore(Protocol):
+    """Lifecycle authority for WorkItems. All lease checks use the store's own clock."""
+
+    def migrate(self) -> int:
+        """Create or upgrade the schema; return the version now in force."""
+
+    def now(self) -> datetime:
+        """The authority's clock (the database's), which every expiry is measured against."""
+
+    def submit(self, request: SubmitRequest) -> SubmitResult:
+        """Atomically create a WorkItem, or return the existing one for the same id/idempotency key."""
+
+    def get(self, work_item_id: str, *, tenant: str | None = None) -> WorkItem:
+        """The item; NotFound if absent or (with ``tenant``) owned by another tenant."""
+
+    def get_payload(self, work_item_id: str, *, tenant: str) -> bytes: ...
+
+    def list_items(
+        self,
+        *,
+        tenant: str,
+        states: Sequence[WorkState] = (),
+        limit: int = 100,
+        after: str | None = None,
+    ) -> list[WorkItem]:
+        """A tenant's items, newest first, paginated by the last id seen (``after``)."""
+
+    def claim(
+        self,
+        owner: str,
+        *,
+        work_item_id: str | None = None,
+        queue: str | None = None,
+        tenant: str | None = None,
+        ttl_s: float | None = None,
+    ) -> Lease | None:
+        """Lease one item (a specific one, or the next ready one of ``queue``).
+
+        Issues ``lease_epoch`` + 1 and a store-wide strictly increasing ``fencing_token``. An
+        expired lease is reclaimable in the same statement. ``None`` when nothing is claimable;
+        ``LeaseHeld`` when the named item has a live lease; ``NotFound``/``InvalidTransition``
+        when the named item is missing or terminal.
+        """
+
+    def mark_running(self, lease: Lease) -> Lease: ...
+
+    def renew(self, lease: Lease, *, ttl_s: float | None = None) -> Lease: ...
+
+    def require_current(self, lease: Lease) -> None:
+        """Raise unless ``lease`` is still the item's current, unexpired lease (before a side effect)."""
+
+    def commit(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        *,
+        retryable: bool = False,
+        error: str | None = None,
+    ) -> CommitResult:
+        """Fenced terminal commit (a retryable failure goes to ``retry``). Idempotent per lease."""
+
+    def defer(self, lease: Lease, *, delay_s: float = 0.0) -> WorkItem:
+        """Fenced release back to ``ready`` without spending an attempt."""
+
+    def retry(self, lease: Lease, *, error: str | None = None) -> WorkItem:
+        """Fenced failure: back to ``ready`` after backoff, or ``dead_letter`` when attempts are spent."""
+
+    def cancel(self, work_item_id: str, *, tenant: str, reason: str) -> WorkItem:
+        """Cancel from any non-terminal state; a running holder fails its next fenced call."""
+
+    def expire(self, *, limit: int = 1000) -> list[WorkItem]:
+        """Cancel non-terminal items whose deadline has passed."""
+
+    def dead_letter(self, work_item_id: str, *, reason: str) -> WorkItem:
+        """Move a non-terminal item to ``dead_letter`` (poison handling, unfenced)."""
+
+    def recoverable(self, *, stale_after_s: float, limit: int = 1000) -> list[WorkItem]:
+        """Items to re-drive: expired leases, and ready items not dispatched for ``stale_after_s``."""
+
+    def mark_dispatched(self, work_item_ids: Sequence[str]) -> None:
+        """Record that a delivery for these items was (re)admitted to the transport now."""
+
+    def outcomes(self, work_item_id: str) -> list[OutcomeRecord]: ...
+
+    def try_lead(self, name: str) -> bool:
+        """Take (or keep) single-leader election for ``name``, e.g. the recovery sweep."""
+
+    def close(self) -> None: ...
+
+
+def check_payload(payload: bytes, limit: int) -> None:
+    if len(payload) > limit:
+        raise PayloadTooLarge(f"payload is {len(payload)} bytes; the limit is {limit}")
+
+
+def bound_error(error: str | None) -> str | None:
+    """Error detail is stored bounded: evidence, not a log sink."""
+    if error is None or len(error) <= MAX_ERROR_CHARS:
+        return error
+    return error[: MAX_ERROR_CHARS - 15] + "... [truncated]"
+
+
+def backoff_s(
+    attempt: int, *, base_s: float = 1.0, cap_s: float = 300.0, rng: random.Random | None = None
+) -> float:
+    """Exponential backoff with full jitter, capped at the RTO so retries stay within it."""
+    ceiling = min(cap_s, base_s * (2 ** max(attempt - 1, 0)))
+    return (rng or random).uniform(ceiling / 2, ceiling)
