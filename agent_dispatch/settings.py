@@ -58,6 +58,14 @@ ALLOWED: Final[dict[str, str]] = {
     "AGENT_DISPATCH_KAFKA_TOPIC": "a Kafka topic name (letters, digits, '.', '_', '-'; up to 249)",
     "AGENT_DISPATCH_KAFKA_GROUP": "a Kafka consumer group id",
     "AGENT_DISPATCH_METRICS_PORT": "a TCP port from 0 to 65535 (0: do not serve)",
+    "AGENT_DISPATCH_CONCURRENCY": "an integer from 1 to 256 worker threads",
+    "AGENT_DISPATCH_EXECUTOR": "noop, sleep, http, or a plugin as module:function",
+    "AGENT_DISPATCH_EXECUTOR_URL": "an http:// or https:// URL (required for the http executor)",
+    "AGENT_DISPATCH_EXECUTOR_TIMEOUT_S": "a number of seconds from 0.1 to 3600",
+    "AGENT_DISPATCH_SHUTDOWN_GRACE_S": "a number of seconds from 0 to 3600",
+    "AGENT_DISPATCH_INSTANCE": "the AgentDispatch resource name (a DNS-1123 label)",
+    "AGENT_DISPATCH_NAMESPACE": "a Kubernetes namespace (a DNS-1123 label)",
+    "AGENT_DISPATCH_WORKER_ID": "letters, digits, '.', '_', '-' (up to 200)",
 }
 
 
@@ -120,6 +128,38 @@ class Settings(BaseSettings):
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = Field(
         9464, validation_alias=_env("AGENT_DISPATCH_METRICS_PORT")
     )
+
+    concurrency: Annotated[int, Field(ge=1, le=256)] = Field(
+        4, validation_alias=_env("AGENT_DISPATCH_CONCURRENCY")
+    )
+    executor: Annotated[str, Field(pattern=r"^(noop|sleep|http|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")] = Field(
+        "noop", validation_alias=_env("AGENT_DISPATCH_EXECUTOR")
+    )
+    executor_url: Annotated[str, Field(pattern=r"^https?://\S+$")] | None = Field(
+        None, validation_alias=_env("AGENT_DISPATCH_EXECUTOR_URL"), validate_default=True
+    )
+    executor_timeout_s: Annotated[float, Field(ge=0.1, le=3600)] = Field(
+        300, validation_alias=_env("AGENT_DISPATCH_EXECUTOR_TIMEOUT_S")
+    )
+    shutdown_grace_s: Annotated[float, Field(ge=0, le=3600)] = Field(
+        30, validation_alias=_env("AGENT_DISPATCH_SHUTDOWN_GRACE_S")
+    )
+    instance: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")] | None = Field(
+        None, validation_alias=_env("AGENT_DISPATCH_INSTANCE")
+    )
+    namespace: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")] | None = Field(
+        None, validation_alias=AliasChoices("AGENT_DISPATCH_NAMESPACE", "POD_NAMESPACE")
+    )
+    worker_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,200}$")] | None = Field(
+        None, validation_alias=AliasChoices("AGENT_DISPATCH_WORKER_ID", "POD_NAME")
+    )
+
+    @field_validator("executor_url", mode="after")
+    @classmethod
+    def _http_needs_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("executor") == "http" and value is None:
+            raise ValueError("is required when AGENT_DISPATCH_EXECUTOR=http")
+        return value
 
     @field_validator("renew_interval_s")
     @classmethod

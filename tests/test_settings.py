@@ -11,7 +11,9 @@ import pytest
 
 from agent_dispatch import settings as s
 
-CLEAN = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "TASK_QUEUE", "STATE_DB", "KAFKA_"))}
+CLEAN = {
+    k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "TASK_QUEUE", "STATE_DB", "KAFKA_"))
+}
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +46,23 @@ def test_defaults() -> None:
     assert cfg.sqlite_path.parent == cfg.data_dir
     assert cfg.log_level == "INFO" and cfg.log_format is s.LogFormat.JSON
     assert cfg.metrics_port == 9464
+    assert cfg.concurrency == 4 and cfg.executor == "noop" and cfg.executor_url is None
+    assert cfg.executor_timeout_s == 300 and cfg.shutdown_grace_s == 30
+    assert cfg.instance is None and cfg.namespace is None and cfg.worker_id is None
+
+
+def test_kubernetes_identity_from_downward_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_with(
+        monkeypatch, POD_NAMESPACE="agents", POD_NAME="workers-7d9f-abcde", AGENT_DISPATCH_INSTANCE="prod"
+    )
+    assert (cfg.namespace, cfg.worker_id, cfg.instance) == ("agents", "workers-7d9f-abcde", "prod")
+
+
+def test_plugin_executor(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (
+        load_with(monkeypatch, AGENT_DISPATCH_EXECUTOR="my_agents.turns:run").executor
+        == "my_agents.turns:run"
+    )
 
 
 def test_backend_follows_state_db_uri(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,6 +99,9 @@ BOUNDS = [
     ("AGENT_DISPATCH_MAX_PAYLOAD_BYTES", ["1", str(64 * 1024 * 1024)], "max_payload_bytes"),
     ("AGENT_DISPATCH_METRICS_PORT", ["0", "65535"], "metrics_port"),
     ("AGENT_DISPATCH_RENEW_INTERVAL_S", ["0.1", "119.9"], "renew_interval_s"),
+    ("AGENT_DISPATCH_CONCURRENCY", ["1", "256"], "concurrency"),
+    ("AGENT_DISPATCH_EXECUTOR_TIMEOUT_S", ["0.1", "3600"], "executor_timeout_s"),
+    ("AGENT_DISPATCH_SHUTDOWN_GRACE_S", ["0", "3600"], "shutdown_grace_s"),
 ]
 
 
@@ -98,7 +120,11 @@ INVALID = [
     ({"AGENT_TURNS_PARTITIONS": "six"}, "AGENT_TURNS_PARTITIONS", ["valid integer"]),
     ({"AGENT_DISPATCH_MAX_DEPTH": "0"}, "AGENT_DISPATCH_MAX_DEPTH", ["greater than or equal to 1"]),
     ({"AGENT_DISPATCH_MAX_DEPTH": "-5"}, "AGENT_DISPATCH_MAX_DEPTH", ["greater than or equal to 1"]),
-    ({"AGENT_DISPATCH_CLAIM_TTL_S": "301"}, "AGENT_DISPATCH_CLAIM_TTL_S", ["less than or equal to 300", "RTO"]),
+    (
+        {"AGENT_DISPATCH_CLAIM_TTL_S": "301"},
+        "AGENT_DISPATCH_CLAIM_TTL_S",
+        ["less than or equal to 300", "RTO"],
+    ),
     ({"AGENT_DISPATCH_CLAIM_TTL_S": "0"}, "AGENT_DISPATCH_CLAIM_TTL_S", ["greater than or equal to 1"]),
     ({"AGENT_DISPATCH_CLAIM_TTL_S": "soon"}, "AGENT_DISPATCH_CLAIM_TTL_S", ["valid number"]),
     (
@@ -106,7 +132,11 @@ INVALID = [
         "AGENT_DISPATCH_RENEW_INTERVAL_S",
         ["below AGENT_DISPATCH_CLAIM_TTL_S (60 s)"],
     ),
-    ({"AGENT_DISPATCH_RENEW_INTERVAL_S": "0"}, "AGENT_DISPATCH_RENEW_INTERVAL_S", ["greater than or equal to 0.1"]),
+    (
+        {"AGENT_DISPATCH_RENEW_INTERVAL_S": "0"},
+        "AGENT_DISPATCH_RENEW_INTERVAL_S",
+        ["greater than or equal to 0.1"],
+    ),
     ({"AGENT_DISPATCH_VISIBILITY_TIMEOUT_S": "600"}, "AGENT_DISPATCH_VISIBILITY_TIMEOUT_S", ["300"]),
     ({"AGENT_DISPATCH_SWEEP_INTERVAL_S": "0"}, "AGENT_DISPATCH_SWEEP_INTERVAL_S", ["greater than or equal"]),
     ({"AGENT_DISPATCH_MAX_ATTEMPTS": "0"}, "AGENT_DISPATCH_MAX_ATTEMPTS", ["1 to 100"]),
@@ -122,6 +152,20 @@ INVALID = [
     ({"AGENT_DISPATCH_KAFKA_TOPIC": "bad topic!"}, "AGENT_DISPATCH_KAFKA_TOPIC", ["Kafka topic name"]),
     ({"AGENT_DISPATCH_KAFKA_GROUP": "x" * 256}, "AGENT_DISPATCH_KAFKA_GROUP", ["at most 255"]),
     ({"AGENT_DISPATCH_METRICS_PORT": "70000"}, "AGENT_DISPATCH_METRICS_PORT", ["65535"]),
+    ({"AGENT_DISPATCH_CONCURRENCY": "0"}, "AGENT_DISPATCH_CONCURRENCY", ["1 to 256"]),
+    ({"AGENT_DISPATCH_CONCURRENCY": "257"}, "AGENT_DISPATCH_CONCURRENCY", ["less than or equal to 256"]),
+    ({"AGENT_DISPATCH_EXECUTOR": "rm -rf"}, "AGENT_DISPATCH_EXECUTOR", ["module:function"]),
+    (
+        {"AGENT_DISPATCH_EXECUTOR": "http"},
+        "AGENT_DISPATCH_EXECUTOR_URL",
+        ["required when AGENT_DISPATCH_EXECUTOR=http"],
+    ),
+    ({"AGENT_DISPATCH_EXECUTOR_URL": "ftp://x"}, "AGENT_DISPATCH_EXECUTOR_URL", ["http:// or https://"]),
+    ({"AGENT_DISPATCH_EXECUTOR_TIMEOUT_S": "0"}, "AGENT_DISPATCH_EXECUTOR_TIMEOUT_S", ["0.1 to 3600"]),
+    ({"AGENT_DISPATCH_SHUTDOWN_GRACE_S": "-1"}, "AGENT_DISPATCH_SHUTDOWN_GRACE_S", ["0 to 3600"]),
+    ({"AGENT_DISPATCH_INSTANCE": "Bad_Name"}, "AGENT_DISPATCH_INSTANCE", ["DNS-1123"]),
+    ({"AGENT_DISPATCH_NAMESPACE": "-x"}, "AGENT_DISPATCH_NAMESPACE", ["DNS-1123"]),
+    ({"AGENT_DISPATCH_WORKER_ID": "a b"}, "AGENT_DISPATCH_WORKER_ID", ["up to 200"]),
 ]
 
 
@@ -143,15 +187,21 @@ def test_invalid_value_names_the_variable(
 
 def test_secrets_are_never_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(s.InvalidSetting) as info:
-        load_with(monkeypatch, STATE_DB_URI="mysql://alice:hunter2@db/agents", AGENT_DISPATCH_SIGNING_KEY="hunter3")
+        load_with(
+            monkeypatch, STATE_DB_URI="mysql://alice:hunter2@db/agents", AGENT_DISPATCH_SIGNING_KEY="hunter3"
+        )
     text = str(info.value)
     assert "hunter2" not in text and "hunter3" not in text and "alice" not in text
     assert len(info.value.lines) == 2
 
 
 @pytest.mark.parametrize(("env", "var", "words"), INVALID, ids=INVALID_IDS)
-@pytest.mark.parametrize("entry", ["agent-dispatch doctor", "agent-dispatch worker", "agent-dispatch migrate"])
-def test_entry_points_exit_2_with_one_line(env: dict[str, str], var: str, words: list[str], entry: str) -> None:
+@pytest.mark.parametrize(
+    "entry", ["agent-dispatch doctor", "agent-dispatch worker", "agent-dispatch migrate"]
+)
+def test_entry_points_exit_2_with_one_line(
+    env: dict[str, str], var: str, words: list[str], entry: str
+) -> None:
     argv = [sys.executable, "-m", "agent_dispatch.cli", *entry.split()[1:]]
     proc = subprocess.run(argv, env={**CLEAN, **env}, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2, proc.stderr
