@@ -195,16 +195,28 @@ def test_secrets_are_never_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(info.value.lines) == 2
 
 
-@pytest.mark.parametrize(("env", "var", "words"), INVALID, ids=INVALID_IDS)
-@pytest.mark.parametrize(
-    "entry", ["agent-dispatch doctor", "agent-dispatch worker", "agent-dispatch migrate"]
-)
-def test_entry_points_exit_2_with_one_line(
-    env: dict[str, str], var: str, words: list[str], entry: str
-) -> None:
+def run_entry(entry: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "agent_dispatch.cli", *entry.split()[1:]]
-    proc = subprocess.run(argv, env={**CLEAN, **env}, capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(argv, env={**CLEAN, **env}, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize(("env", "var", "words"), INVALID, ids=INVALID_IDS)
+def test_doctor_exits_2_with_one_line(env: dict[str, str], var: str, words: list[str]) -> None:
+    proc = run_entry("agent-dispatch doctor", env)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"{entry}: invalid setting {var}")
+    assert lines[0].startswith(f"agent-dispatch doctor: invalid setting {var}")
+
+
+@pytest.mark.parametrize(
+    "entry", ["agent-dispatch worker", "agent-dispatch migrate", "agent-dispatch gateway"]
+)
+@pytest.mark.parametrize("case", [INVALID[6], INVALID[9]], ids=["ttl-above-rto", "renew-not-below-ttl"])
+def test_every_entry_point_exits_2(entry: str, case: tuple[dict[str, str], str, list[str]]) -> None:
+    env, var, _ = case
+    proc = run_entry(entry, env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert var in lines[0] and "invalid setting" in lines[0]
