@@ -6,12 +6,12 @@ import pytest
 
 from tests._fixtures import USED
 
-pytest_plugins: list[str] = []
+pytest_plugins = ["tests._fixtures.services"]
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if USED:
-        used = ", ".join(f"{name} {version}".strip() for name, version in sorted(USED.items()))
+        used = ", ".join(version or name for name, version in sorted(USED.items()))
         terminalreporter.write_line(f"services used: {used}")
     else:
         terminalreporter.write_line("services used: none")
