@@ -1,0 +1,1015 @@
+"""Kafka transport: topic ``agent_turns``, consumer group ``agent-dispatch``, key = session_id.
+
+Producing: an idempotent producer (``acks=all``) shared by every admitting thread. Concurrent
+:meth:`KafkaTransport.admit` calls (and the batches they carry) are coalesced behind one
+delivery-confirmed flush barrier run by a background flusher thread; every message carries its own
+delivery callback, so each caller learns its own result and returns only once the broker has
+acknowledged all of its messages.
+
+Admission: depth is the consumer group's lag (high watermark minus committed offset, summed over
+the topic's partitions), measured with the AdminClient under a timeout. A failed or slow probe
+raises :class:`DepthUnavailable`; it is never read as zero. The probe is cached for a fraction of
+a second so admission costs the same at depth 0 and at depth 100k, and turns admitted by this
+process since the probe began are added to it, so concurrent admitters in one process cannot
+overshoot the bound between probes.
+
+Consuming: one consumer per worker thread (created by that thread's first :meth:`claim`), manual
+commits only. A receipt names the claiming owner and that consumer, and the assignment it was
+issued under; any other thread, a revoked partition or an expired visibility window gets
+:class:`Fenced`. Offsets are committed only up to each partition's contiguous acknowledged
+prefix. A released delivery, or one whose visibility timeout passes, is redelivered by seeking
+the partition back to it once it is due; offsets acknowledged in between are skipped on the way
+forward. A partition that moves to another consumer restarts there from the committed prefix, so
+nothing unacknowledged is ever skipped (acknowledged turns past the prefix may come again: the
+WorkItem store makes redelivery safe).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Final, Literal
+
+from confluent_kafka import (
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic, OffsetSpec
+
+from agent_dispatch.errors import (
+    AdmissionRejected,
+    BackendUnavailable,
+    DepthUnavailable,
+    DispatchError,
+    Fenced,
+    QueueFull,
+)
+from agent_dispatch.settings import Backend, Settings
+from agent_dispatch.transport import Delivery, OutboundTurn, Receipt
+
+log = logging.getLogger(__name__)
+#: librdkafka's own log lines (they name broker addresses and repeat every reconnect attempt):
+#: kept at DEBUG so a broker outage shows up through our typed errors, not a flood of lines.
+_client_log = logging.getLogger(__name__ + ".client")
+
+#: Header carrying the WorkItem id, so a worker can name the item without trusting the envelope.
+WORK_ITEM_HEADER: Final = "agent-dispatch-work-item"
+_RECEIPT_VERSION: Final = "kafka1"
+_DEFAULT_ADMIN_TIMEOUT_S: Final = 15.0
+
+
+class PartitionDecreaseRefused(DispatchError):
+    """A requested partition count is below the topic's: Kafka partitions are grow-only."""
+
+    def __init__(self, topic: str, current: int, requested: int) -> None:
+        super().__init__(
+            f"topic {topic} has {current} partitions; {requested} would decrease it "
+            "(partitions are grow-only); nothing changed"
+        )
+        self.topic = topic
+        self.current = current
+        self.requested = requested
+
+
+class DeliveryFailed(AdmissionRejected, BackendUnavailable):
+    """The broker did not confirm every message of an admission: the turns are not accepted.
+
+    It is both an admission rejection (the enqueue path cancels the WorkItems) and a backend
+    failure. With ``acks=all`` and an idempotent producer a timed-out message may still have been
+    written; a worker that meets it finds its WorkItem cancelled and acknowledges it.
+    """
+
+
+# -- topic administration (shared with the operator) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class TopicChange:
+    action: Literal["created", "grown", "unchanged"]
+    #: Partitions before the call (None: the topic did not exist).
+    before: int | None
+    partitions: int
+
+
+def _error_of(exc: BaseException) -> KafkaError | None:
+    arg = exc.args[0] if exc.args else None
+    return arg if isinstance(arg, KafkaError) else None
+
+
+def _describe(exc: BaseException) -> str:
+    """An error text without broker addresses: the client error's name and reason."""
+    err = _error_of(exc)
+    if err is not None:
+        return f"{err.name()}: {err.str()}"
+    return type(exc).__name__ if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+
+
+def topic_partition_count(
+    admin: AdminClient, topic: str, *, timeout_s: float = _DEFAULT_ADMIN_TIMEOUT_S
+) -> int | None:
+    """The topic's partition count, None if it does not exist; ``BackendUnavailable`` if unreachable."""
+    try:
+        metadata = admin.list_topics(topic=topic, timeout=timeout_s)
+    except KafkaException as exc:
+        raise BackendUnavailable(f"kafka: cannot read topic metadata ({_describe(exc)})") from None
+    found = metadata.topics.get(topic)
+    if found is None or (found.error is not None and not found.partitions):
+        return None
+    return len(found.partitions)
+
+
+def ensure_topic(
+    admin: AdminClient,
+    topic: str,
+    partitions: int,
+    *,
+    replication_factor: int | None = None,
+    timeout_s: float = _DEFAULT_ADMIN_TIMEOUT_S,
+) -> TopicChange:
+    """Create ``topic`` with ``partitions`` or grow it to that count; never shrink it.
+
+    Raises :class:`PartitionDecreaseRefused` (before changing anything) when the topic already has
+    more partitions, and ``BackendUnavailable`` when the cluster cannot be asked. A concurrent
+    creator or grower (another replica, the operator) is not an error: the call re-reads and
+    settles on the outcome.
+    """
+    if partitions < 1:
+        raise ValueError("partitions must be at least 1")
+    for _attempt in range(5):
+        current = topic_partition_count(admin, topic, timeout_s=timeout_s)
+        if current is None:
+            new = NewTopic(topic, num_partitions=partitions, replication_factor=replication_factor or -1)
+            future = admin.create_topics([new], request_timeout=timeout_s, operation_timeout=timeout_s)[topic]
+            if _settle(
+                future, timeout_s, retry_on=KafkaError.TOPIC_ALREADY_EXISTS, what=f"create topic {topic}"
+            ):
+                return TopicChange("created", None, partitions)
+            continue
+        if partitions < current:
+            raise PartitionDecreaseRefused(topic, current, partitions)
+        if partitions == current:
+            return TopicChange("unchanged", current, current)
+        future = admin.create_partitions([NewPartitions(topic, partitions)], request_timeout=timeout_s)[topic]
+        # INVALID_PARTITIONS: somebody grew it in between; re-read and decide again.
+        if _settle(future, timeout_s, retry_on=KafkaError.INVALID_PARTITIONS, what=f"grow topic {topic}"):
+            return TopicChange("grown", current, partitions)
+    raise BackendUnavailable(f"kafka: topic {topic} kept changing while it was being ensured")
+
+
+def _settle(future: Any, timeout_s: float, *, retry_on: int, what: str) -> bool:
+    """True when the admin operation succeeded, False when it lost a benign race (re-read)."""
+    try:
+        future.result(timeout=timeout_s + 1)
+    except KafkaException as exc:
+        err = _error_of(exc)
+        if err is not None and err.code() == retry_on:
+            return False
+        raise BackendUnavailable(f"kafka: cannot {what} ({_describe(exc)})") from None
+    except TimeoutError:
+        raise BackendUnavailable(f"kafka: {what} timed out after {timeout_s:g} s") from None
+    return True
+
+
+def consumer_group_lag(admin: AdminClient, topic: str, group: str, *, timeout_s: float) -> int:
+    """Turns accepted on ``topic`` that ``group`` has not committed past, summed over partitions.
+
+    A partition without a committed offset counts from its low watermark. Any failure, including a
+    missing topic, raises :class:`DepthUnavailable` within about ``timeout_s``: an unknown depth is
+    never reported as zero.
+    """
+    deadline = time.monotonic() + timeout_s
+
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        return left
+
+    try:
+        metadata = admin.list_topics(topic=topic, timeout=timeout_s)
+        found = metadata.topics.get(topic)
+        if found is None or found.error is not None:
+            reason = found.error.name() if found is not None and found.error is not None else "missing"
+            raise DepthUnavailable(f"kafka depth probe: topic {topic} is unavailable ({reason})")
+        parts = [TopicPartition(topic, p) for p in sorted(found.partitions)]
+        # Three independent requests, in flight together: one round trip rather than three.
+        high = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts}, request_timeout=remaining())
+        low = admin.list_offsets({tp: OffsetSpec.earliest() for tp in parts}, request_timeout=remaining())
+        committed_future = admin.list_consumer_group_offsets(
+            [ConsumerGroupTopicPartitions(group, parts)], request_timeout=remaining()
+        )[group]
+        highs = {tp.partition: future.result(timeout=remaining()).offset for tp, future in high.items()}
+        lows = {tp.partition: future.result(timeout=remaining()).offset for tp, future in low.items()}
+        committed = committed_future.result(timeout=remaining())
+    except DepthUnavailable:
+        raise
+    except (KafkaException, TimeoutError) as exc:
+        raise DepthUnavailable(f"kafka depth probe failed ({_describe(exc)})") from None
+    positions: dict[int, int] = {}
+    for tp in committed.topic_partitions or []:
+        if tp.error is not None:
+            raise DepthUnavailable(f"kafka depth probe failed ({tp.error.name()})")
+        if tp.offset >= 0:
+            positions[tp.partition] = tp.offset
+    lag = 0
+    for partition, high_mark in highs.items():
+        low_mark = lows[partition]
+        # A commit below the low watermark points at deleted records: count from what is left.
+        start = max(positions.get(partition, low_mark), low_mark)
+        lag += max(0, high_mark - start)
+    return lag
+
+
+# -- tuning ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KafkaTuning:
+    """Knobs that are not deployment settings; tests and benchmarks shorten them."""
+
+    #: How long one lag probe answers admission (100-250 ms keeps per-submit cost flat).
+    probe_cache_s: float = 0.2
+    #: Upper bound on one lag probe; past it admission rejects with DepthUnavailable.
+    probe_timeout_s: float = 5.0
+    #: librdkafka's message.timeout.ms: how long admit() may wait for the broker's acknowledgement.
+    delivery_timeout_s: float = 30.0
+    #: Acknowledgements are committed at most this often per consumer (always at claim and close).
+    commit_interval_s: float = 0.05
+    #: Claimed but neither acknowledged nor released for this long: redelivered (None: from settings).
+    visibility_timeout_s: float | None = None
+    #: Consumer group session timeout (a crashed worker's partitions move after this).
+    session_timeout_s: float = 45.0
+    #: Producer linger: how long librdkafka may hold a message to batch it with others.
+    linger_ms: float = 2.0
+    producer_config: Mapping[str, Any] = field(default_factory=dict)
+    consumer_config: Mapping[str, Any] = field(default_factory=dict)
+
+
+class _ClientLog:
+    """librdkafka logger: everything at DEBUG (see ``_client_log``)."""
+
+    def log(self, level: int, msg: str, *args: Any, **kwargs: Any) -> None:
+        if _client_log.isEnabledFor(logging.DEBUG):
+            _client_log.debug(msg, *args)
+
+
+class _ErrorReporter:
+    """``error_cb``: one WARNING per error kind per minute, by name only (no addresses)."""
+
+    def __init__(self, role: str) -> None:
+        self._role = role
+        self._last: dict[str, float] = {}
+
+    def __call__(self, err: KafkaError) -> None:
+        now = time.monotonic()
+        name = err.name()
+        if now - self._last.get(name, -1e9) >= 60.0:
+            self._last[name] = now
+            log.warning(
+                "kafka %s client error", self._role, extra={"kafka_error": name, "fatal": err.fatal()}
+            )
+
+
+# -- producer: coalesced, delivery-confirmed -------------------------------------------------
+
+
+class _Batch:
+    """One admit() call's messages: counts delivery reports and wakes the caller after the last."""
+
+    __slots__ = ("_flusher", "_lock", "done", "errors", "remaining")
+
+    def __init__(self, count: int, flusher: _Flusher) -> None:
+        self._flusher = flusher
+        self._lock = threading.Lock()
+        self.remaining = count
+        self.errors: list[str] = []
+        # A plain lock used as a one-shot latch: cheaper than an Event for the hot path.
+        self.done = threading.Lock()
+        self.done.acquire()
+        if count == 0:
+            self.done.release()
+
+    def settle(self, count: int, error: str | None) -> None:
+        with self._lock:
+            if error is not None:
+                self.errors.append(error)
+            self.remaining -= count
+            last = self.remaining == 0
+        if last:
+            self.done.release()
+
+    def on_delivery(self, err: KafkaError | None, _msg: Message) -> None:
+        # Runs on the thread serving delivery reports (the flusher), so this counter has one writer.
+        self._flusher.reported += 1
+        self.settle(1, None if err is None else err.name())
+
+
+class _Flusher:
+    """The one flush barrier: a thread that drives delivery reports for every admitting thread.
+
+    Admitting threads only enqueue into librdkafka and wait on their own latch. This thread calls
+    ``flush()``, which sends whatever has accumulated at once (ignoring linger) and serves the
+    delivery callbacks as the broker's acknowledgements arrive, so one round trip confirms the
+    messages of every caller that joined while the previous request was in flight.
+    """
+
+    def __init__(self, producer: Producer, *, use_flush: bool = True) -> None:
+        self._producer = producer
+        self._use_flush = use_flush
+        self._wake = threading.Event()
+        self._stopping = False
+        #: Delivery reports served (success or failure); written by the flusher thread only.
+        self.reported = 0
+        self._thread = threading.Thread(target=self._run, name="kafka-flusher", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        producer = self._producer
+        while not self._stopping:
+            self._wake.wait(0.5)
+            # Clear before looking at the queue: a producer that enqueues after this point sets
+            # the event again, one that enqueued before is seen by len() below.
+            self._wake.clear()
+            while len(producer) > 0 and not self._stopping:
+                try:
+                    if self._use_flush:
+                        producer.flush(0.1)
+                    else:
+                        producer.poll(0.05)
+                except Exception:  # a callback bug must not kill the only thread serving reports
+                    log.exception("kafka delivery report handling failed")
+
+    def stop(self, timeout_s: float) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=timeout_s)
+
+
+# -- consumers: one per worker thread ------------------------------------------------------------
+
+
+class _SlotState(Enum):
+    HELD = "held"  # handed out, waiting for ack/release
+    DUE = "due"  # waiting to be redelivered at due_at
+
+
+@dataclass(slots=True)
+class _Slot:
+    owner: str
+    state: _SlotState
+    deliveries: int
+    deadline: float  # HELD: visibility deadline
+    due_at: float = 0.0  # DUE: when it may be handed out again
+
+
+@dataclass
+class _PartitionState:
+    epoch: int
+    #: Highest offset ever returned by the fetch stream in this assignment (None: nothing yet).
+    max_seen: int | None = None
+    #: Offset the fetch stream returns next (after a seek: the seek target).
+    fetch_pos: int | None = None
+    #: Delivered and not acknowledged, by offset: what the commit must not pass.
+    unacked: dict[int, _Slot] = field(default_factory=dict)
+    #: Delivered offsets in increasing order (fresh offsets only ever grow); acknowledged ones are
+    #: dropped lazily from the left when the commit position is computed.
+    order: collections.deque[int] = field(default_factory=collections.deque)
+    #: Offsets in ``unacked`` waiting for redelivery.
+    due: set[int] = field(default_factory=set)
+    committed: int | None = None
+    seek_retry_at: float = 0.0
+
+    def commit_position(self) -> int | None:
+        """First offset not acknowledged: the contiguous acknowledged prefix ends just before it."""
+        order, unacked = self.order, self.unacked
+        while order and order[0] not in unacked:
+            order.popleft()
+        if order:
+            return order[0]
+        return None if self.max_seen is None else self.max_seen + 1
+
+
+@dataclass(frozen=True)
+class _Token:
+    consumer: str
+    partition: int
+    offset: int
+    epoch: int
+    delivery: int
+
+    def encode(self) -> str:
+        return (
+            f"{_RECEIPT_VERSION}:{self.consumer}:{self.partition}:{self.offset}:{self.epoch}:{self.delivery}"
+        )
+
+    @staticmethod
+    def decode(token: str) -> _Token:
+        parts = token.split(":")
+        if len(parts) != 6 or parts[0] != _RECEIPT_VERSION:
+            raise Fenced("not a Kafka transport receipt")
+        try:
+            return _Token(parts[1], int(parts[2]), int(parts[3]), int(parts[4]), int(parts[5]))
+        except ValueError:
+            raise Fenced("malformed Kafka transport receipt") from None
+
+
+_consumer_ids = itertools.count(1)
+_epochs = itertools.count(1)
+
+
+class _ThreadConsumer:
+    """One worker thread's consumer and its per-partition delivery state.
+
+    Everything but :meth:`close` runs on the owning thread; rebalance callbacks run inside its
+    own ``consume``/``poll``/``close`` calls. The lock only keeps a ``close`` from another thread
+    (transport shutdown) from interleaving with the owner.
+    """
+
+    def __init__(self, transport: KafkaTransport) -> None:
+        self.uid = f"{threading.get_ident():x}.{next(_consumer_ids)}"
+        self.thread_name = threading.current_thread().name
+        self.lock = threading.Lock()
+        self.closed = False
+        self._t = transport
+        self._topic = transport.topic
+        self._visibility_s = transport.visibility_timeout_s
+        self._commit_interval_s = transport.tuning.commit_interval_s
+        self._parts: dict[int, _PartitionState] = {}
+        self._next_expiry = float("inf")
+        self._last_commit = 0.0
+        self._dirty = False
+        session_ms = int(transport.tuning.session_timeout_s * 1000)
+        config: dict[str, Any] = {
+            "bootstrap.servers": transport.bootstrap_servers,
+            "group.id": transport.group,
+            "client.id": f"agent-dispatch-worker-{self.uid}",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            # Incremental rebalancing: a worker thread joining or leaving moves only the partitions
+            # that must move, instead of revoking (and redelivering) every partition of the group.
+            "partition.assignment.strategy": "cooperative-sticky",
+            "session.timeout.ms": session_ms,
+            "heartbeat.interval.ms": max(100, session_ms // 3),
+            # A thread that stops claiming (stuck turn) for longer than the visibility timeout
+            # leaves the group, so its partitions, and what it withheld, go to another consumer.
+            "max.poll.interval.ms": max(int(self._visibility_s * 1000), session_ms),
+            # Partitions added by the operator are picked up within this interval.
+            "topic.metadata.refresh.interval.ms": 30_000,
+            "socket.nagle.disable": True,
+            "logger": _ClientLog(),
+            "error_cb": _ErrorReporter("consumer"),
+            **transport.tuning.consumer_config,
+        }
+        self.consumer = Consumer(config)
+        self.consumer.subscribe(
+            [self._topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
+
+    # -- rebalance callbacks (on the owning thread, inside consume/close) --------------------
+
+    def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            if tp.topic == self._topic:
+                # A fresh epoch: receipts issued under an earlier assignment of this partition
+                # (before a revoke) can never acknowledge anything in this one.
+                self._parts[tp.partition] = _PartitionState(epoch=next(_epochs))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Hand over exactly the acknowledged prefix, so the next owner starts at the first
+        # unacknowledged turn; whatever this thread still holds becomes stale (Fenced).
+        revoked = [tp.partition for tp in partitions if tp.topic == self._topic]
+        offsets = []
+        for partition in revoked:
+            state = self._parts.get(partition)
+            position = None if state is None else state.commit_position()
+            # Even if an asynchronous commit already carried it: this one is confirmed.
+            if position is not None:
+                offsets.append(TopicPartition(self._topic, partition, position))
+        if offsets:
+            try:
+                consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as exc:
+                # Not fatal: the next owner starts at an older commit and redelivers more.
+                log.warning("kafka commit on revoke failed", extra={"kafka_error": _describe(exc)})
+        for partition in revoked:
+            self._parts.pop(partition, None)
+
+    def _on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # The group already gave these away: committing now could only fail or move backwards.
+        for tp in partitions:
+            if tp.topic == self._topic:
+                self._parts.pop(tp.partition, None)
+
+    # -- claim ---------------------------------------------------------------------------------
+
+    def claim(self, owner: str, max_items: int, wait_s: float) -> list[Delivery]:
+        start = time.monotonic()
+        deadline = start + max(0.0, wait_s)
+        out: list[Delivery] = []
+        self.commit(force=True)
+        while True:
+            now = time.monotonic()
+            self._expire(now)
+            wake_at = self._seek_due(now)
+            if out:
+                batch = self.consumer.consume(max_items - len(out), timeout=0)
+            else:
+                # Wake up for the earliest pending redelivery, and at least every 250 ms so
+                # visibility expiry keeps moving during a long wait.
+                first = self.consumer.poll(max(0.0, min(deadline, wake_at, now + 0.25) - now))
+                batch = [] if first is None else [first]
+                if first is not None and max_items > 1:
+                    batch.extend(self.consumer.consume(max_items - 1, timeout=0))
+            now = time.monotonic()
+            for message in batch:
+                delivery = self._accept(message, owner, now)
+                if delivery is not None:
+                    out.append(delivery)
+            if len(out) >= max_items or (out and not batch):
+                break
+            if now >= deadline and (out or not batch):
+                break
+        return out
+
+    def _accept(self, message: Message, owner: str, now: float) -> Delivery | None:
+        err = message.error()
+        if err is not None:
+            if err.fatal():
+                raise BackendUnavailable(f"kafka consumer failed fatally ({err.name()})")
+            if err.code() != KafkaError._PARTITION_EOF:
+                log.debug("kafka consumer event", extra={"kafka_error": err.name()})
+            return None
+        partition, offset = message.partition(), message.offset()
+        if partition is None or offset is None or message.topic() != self._topic:
+            return None
+        state = self._parts.get(partition)
+        if state is None:
+            return None  # fetched before a revoke; the new owner delivers it
+        state.fetch_pos = offset + 1
+        if state.max_seen is not None and offset <= state.max_seen:
+            # Seen before in this assignment: acknowledged, still held, or released. Only a
+            # released (or expired) delivery whose time has come is handed out again.
+            slot = state.unacked.get(offset)
+            if slot is None or slot.state is not _SlotState.DUE or slot.due_at > now:
+                return None
+            state.due.discard(offset)
+            slot.state, slot.owner, slot.deliveries = _SlotState.HELD, owner, slot.deliveries + 1
+            slot.deadline = now + self._visibility_s
+        else:
+            state.max_seen = offset
+            slot = _Slot(owner=owner, state=_SlotState.HELD, deliveries=1, deadline=now + self._visibility_s)
+            state.unacked[offset] = slot
+            state.order.append(offset)
+        self._next_expiry = min(self._next_expiry, slot.deadline)
+        token = _Token(self.uid, partition, offset, state.epoch, slot.deliveries)
+        return Delivery(
+            wire=message.value() or b"",
+            receipt=Receipt(owner=owner, token=token.encode()),
+            work_item_id=_work_item_id(message),
+            redelivered=slot.deliveries - 1,
+        )
+
+    def _expire(self, now: float) -> None:
+        """Held past the visibility timeout: due for redelivery now (the old receipt is stale)."""
+        if now < self._next_expiry:
+            return
+        nearest = float("inf")
+        for state in self._parts.values():
+            for offset, slot in state.unacked.items():
+                if slot.state is _SlotState.HELD:
+                    if slot.deadline <= now:
+                        slot.state, slot.due_at = _SlotState.DUE, now
+                        state.due.add(offset)
+                    else:
+                        nearest = min(nearest, slot.deadline)
+        self._next_expiry = nearest
+
+    def _seek_due(self, now: float) -> float:
+        """Seek each partition back to its lowest due delivery; returns the next due time."""
+        wake_at = float("inf")
+        for partition, state in self._parts.items():
+            if not state.due:
+                continue
+            ready = [o for o in state.due if state.unacked[o].due_at <= now]
+            later = [state.unacked[o].due_at for o in state.due if state.unacked[o].due_at > now]
+            if later:
+                wake_at = min(wake_at, *later)
+            if not ready:
+                continue
+            target = min(ready)
+            if state.fetch_pos is not None and target >= state.fetch_pos:
+                continue  # the stream reaches it by itself
+            if now < state.seek_retry_at:
+                wake_at = min(wake_at, state.seek_retry_at)
+                continue
+            try:
+                self.consumer.seek(TopicPartition(self._topic, partition, target))
+            except KafkaException as exc:
+                # E.g. the partition is still being started after an assignment: retry shortly.
+                state.seek_retry_at = now + 0.1
+                wake_at = min(wake_at, state.seek_retry_at)
+                log.debug("kafka seek deferred", extra={"kafka_error": _describe(exc)})
+                continue
+            state.fetch_pos = target
+        return wake_at
+
+    # -- ack / release ---------------------------------------------------------------------------
+
+    def _slot_for(self, token: _Token, owner: str) -> tuple[_PartitionState, _Slot]:
+        state = self._parts.get(token.partition)
+        if state is None or state.epoch != token.epoch:
+            raise Fenced("the partition of this delivery was reassigned; it will be redelivered")
+        slot = state.unacked.get(token.offset)
+        if slot is None or slot.deliveries != token.delivery or slot.state is not _SlotState.HELD:
+            raise Fenced("this delivery was already acknowledged, released or handed out again")
+        if slot.owner != owner:
+            raise Fenced("the receipt names another owner")
+        now = time.monotonic()
+        if now >= slot.deadline:
+            slot.state, slot.due_at = _SlotState.DUE, now
+            state.due.add(token.offset)
+            raise Fenced("the visibility timeout passed; the delivery will be redelivered")
+        return state, slot
+
+    def ack(self, token: _Token, owner: str) -> None:
+        state, _slot = self._slot_for(token, owner)
+        del state.unacked[token.offset]
+        self.commit()
+
+    def release(self, token: _Token, owner: str, delay_s: float) -> None:
+        state, slot = self._slot_for(token, owner)
+        slot.state, slot.due_at = _SlotState.DUE, time.monotonic() + max(0.0, delay_s)
+        state.due.add(token.offset)
+
+    # -- commits ---------------------------------------------------------------------------------
+
+    def commit(self, *, force: bool = False, synchronous: bool = False) -> None:
+        """Commit each partition's acknowledged prefix, coalesced to one request per interval."""
+        now = time.monotonic()
+        if not force and not synchronous and now - self._last_commit < self._commit_interval_s:
+            self._dirty = True
+            return
+        offsets = []
+        for partition, state in self._parts.items():
+            position = state.commit_position()
+            if position is not None and position != state.committed:
+                offsets.append(TopicPartition(self._topic, partition, position))
+                state.committed = position
+        self._dirty = False
+        if not offsets:
+            return
+        self._last_commit = now
+        try:
+            if synchronous:
+                self.consumer.commit(offsets=offsets, asynchronous=False)
+            else:
+                self.consumer.commit(offsets=offsets, asynchronous=True)
+        except KafkaException as exc:
+            # The turns are not lost: a later commit (or the next owner) covers them again.
+            for tp in offsets:
+                failed = self._parts.get(tp.partition)
+                if failed is not None:
+                    failed.committed = None
+            log.warning("kafka offset commit failed", extra={"kafka_error": _describe(exc)})
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.commit(synchronous=True)
+        finally:
+            try:
+                self.consumer.close()
+            except (KafkaException, RuntimeError) as exc:
+                log.warning("kafka consumer close failed", extra={"kafka_error": _describe(exc)})
+            self._parts.clear()
+
+
+def _work_item_id(message: Message) -> str:
+    for key, value in message.headers() or []:
+        if key == WORK_ITEM_HEADER and value is not None:
+            return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    return ""
+
+
+# -- the transport -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Probe:
+    started: float
+    #: Delivery reports served before the probe began (the baseline for in-flight admissions).
+    reported: int
+    lag: int | None
+    error: str | None = None
+
+
+class KafkaTransport:
+    """:class:`agent_dispatch.transport.Transport` on Kafka (see the module docstring)."""
+
+    backend = Backend.KAFKA
+
+    def __init__(self, settings: Settings, *, tuning: KafkaTuning | None = None) -> None:
+        if not settings.kafka_bootstrap_servers:
+            raise BackendUnavailable("kafka: KAFKA_BOOTSTRAP_SERVERS is not set")
+        self.settings = settings
+        self.tuning = tuning or KafkaTuning()
+        self.bootstrap_servers = settings.kafka_bootstrap_servers
+        self.topic = settings.kafka_topic
+        self.group = settings.kafka_group
+        self.max_depth = settings.max_depth
+        self.visibility_timeout_s = (
+            self.tuning.visibility_timeout_s
+            if self.tuning.visibility_timeout_s is not None
+            else settings.effective_visibility_timeout_s
+        )
+        self._admin = AdminClient(
+            {
+                "bootstrap.servers": self.bootstrap_servers,
+                "client.id": "agent-dispatch-admin",
+                "socket.nagle.disable": True,
+                "logger": _ClientLog(),
+                "error_cb": _ErrorReporter("admin"),
+            }
+        )
+        self._lock = threading.Lock()
+        self._closed = False
+        self._producer: Producer | None = None
+        self._flusher: _Flusher | None = None
+        self._local = threading.local()
+        self._consumers: dict[str, _ThreadConsumer] = {}
+        # Admission bookkeeping (see _admit_bounded).
+        self._probe_lock = threading.Lock()
+        self._probe: _Probe | None = None
+        self._admit_lock = threading.Lock()
+        self._reserved = 0
+        self._failed_locally = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def ensure_ready(self) -> None:
+        """Reach the cluster and make sure the topic exists with at least the configured partitions."""
+        try:
+            change = ensure_topic(
+                self._admin, self.topic, self.settings.partitions, timeout_s=self.tuning.probe_timeout_s
+            )
+        except PartitionDecreaseRefused as exc:
+            # The operator grew the topic beyond this process's setting: use what is there.
+            log.info("kafka topic has more partitions than configured", extra={"partitions": exc.current})
+        else:
+            if change.action != "unchanged":
+                log.info("kafka topic %s", change.action, extra={"partitions": change.partitions})
+        # A new (or grown) topic answers offset requests only once every partition has a leader;
+        # ready means the depth probe works, since admission depends on it.
+        deadline = time.monotonic() + max(10.0, 2 * self.tuning.probe_timeout_s)
+        while True:
+            try:
+                consumer_group_lag(self._admin, self.topic, self.group, timeout_s=self.tuning.probe_timeout_s)
+                return
+            except DepthUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise BackendUnavailable(f"kafka: topic {self.topic} is not usable ({exc})") from None
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        """Flush and stop the producer, commit and close every consumer (call after workers stop)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            consumers = list(self._consumers.values())
+            self._consumers.clear()
+        for tc in consumers:
+            # Bounded: an owner thread blocked in claim() gives the lock back within its wait.
+            if tc.lock.acquire(timeout=10.0):
+                try:
+                    tc.close()
+                finally:
+                    tc.lock.release()
+            else:
+                log.warning("kafka consumer still busy at close; leaving it to the group timeout")
+        if self._flusher is not None:
+            self._flusher.stop(timeout_s=5.0)
+        if self._producer is not None:
+            remaining = self._producer.flush(min(self.tuning.delivery_timeout_s, 10.0))
+            if remaining:
+                log.warning("kafka producer closed with undelivered messages", extra={"count": remaining})
+
+    def close_consumer(self) -> None:
+        """Close the calling thread's consumer (a worker thread that exits calls this)."""
+        tc: _ThreadConsumer | None = getattr(self._local, "consumer", None)
+        if tc is None:
+            return
+        self._local.consumer = None
+        with self._lock:
+            self._consumers.pop(tc.uid, None)
+        with tc.lock:
+            tc.close()
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def admit(self, turns: Sequence[OutboundTurn], *, bounded: bool = True) -> None:
+        if not turns:
+            return
+        producer, flusher = self._producing()
+        count = len(turns)
+        if bounded:
+            self._reserve_bounded(count)
+        else:
+            with self._admit_lock:
+                self._reserved += count
+        batch = _Batch(count, flusher)
+        produced = 0
+        try:
+            for turn in turns:
+                self._produce(producer, turn, batch)
+                produced += 1
+        finally:
+            if produced < count:
+                # Never reached librdkafka: settle them here so the bookkeeping stays exact.
+                with self._admit_lock:
+                    self._failed_locally += count - produced
+                batch.settle(count - produced, "not enqueued")
+            flusher.kick()
+        if not batch.done.acquire(timeout=self.tuning.delivery_timeout_s + 10.0):
+            raise DeliveryFailed(f"kafka did not confirm {batch.remaining} of {count} turns in time")
+        if batch.errors:
+            raise DeliveryFailed(
+                f"kafka did not accept {len(batch.errors)} of {count} turns ({sorted(set(batch.errors))[0]})"
+            )
+
+    def _produce(self, producer: Producer, turn: OutboundTurn, batch: _Batch) -> None:
+        deadline = time.monotonic() + self.tuning.delivery_timeout_s
+        while True:
+            try:
+                producer.produce(
+                    self.topic,
+                    value=turn.wire,
+                    key=turn.session_id.encode(),
+                    headers=[(WORK_ITEM_HEADER, turn.work_item_id.encode())],
+                    on_delivery=batch.on_delivery,
+                )
+                return
+            except BufferError:
+                # librdkafka's local queue is full: the flusher is draining it; back off briefly.
+                if time.monotonic() > deadline:
+                    raise DeliveryFailed("kafka producer queue stayed full") from None
+                time.sleep(0.005)
+            except KafkaException as exc:
+                raise DeliveryFailed(f"kafka refused the turn ({_describe(exc)})") from None
+
+    def _reserve_bounded(self, count: int) -> None:
+        """Check depth + count against the bound and reserve the room, or raise.
+
+        The estimate is the probed lag plus every turn this process reserved that had not been
+        confirmed when the probe began: those may or may not be in the probed watermarks, so they
+        are counted (over-counting only ever rejects, never over-admits).
+        """
+        probe = self._fresh_probe(time.monotonic())
+        if probe.lag is None:
+            raise DepthUnavailable(probe.error or "kafka depth probe failed")
+        with self._admit_lock:
+            in_flight = self._reserved - probe.reported
+            depth = probe.lag + max(0, in_flight)
+            if depth + count > self.max_depth:
+                raise QueueFull(f"queue depth {depth} + {count} exceeds {self.max_depth}")
+            self._reserved += count
+
+    def _reports(self) -> int:
+        flusher = self._flusher
+        return (0 if flusher is None else flusher.reported) + self._failed_locally
+
+    def _fresh_probe(self, arrival: float) -> _Probe:
+        """A lag probe that began no more than ``probe_cache_s`` before ``arrival``.
+
+        Single flight: callers that arrive while a probe runs wait for it and share its answer
+        (a failure too: during an outage, N callers wait one timeout, not N timeouts in a row).
+        """
+        ttl = self.tuning.probe_cache_s
+        probe = self._probe
+        if probe is not None and arrival - probe.started <= ttl:
+            return probe
+        with self._probe_lock:
+            probe = self._probe
+            if probe is not None and arrival - probe.started <= ttl:
+                return probe
+            started = time.monotonic()
+            reported = self._reports()
+            try:
+                lag = consumer_group_lag(
+                    self._admin, self.topic, self.group, timeout_s=self.tuning.probe_timeout_s
+                )
+                probe = _Probe(started, reported, lag)
+            except DepthUnavailable as exc:
+                probe = _Probe(started, reported, None, str(exc))
+            self._probe = probe
+            return probe
+
+    def depth(self) -> int:
+        probe = self._fresh_probe(time.monotonic())
+        if probe.lag is None:
+            raise DepthUnavailable(probe.error or "kafka depth probe failed")
+        with self._admit_lock:
+            return probe.lag + max(0, self._reserved - probe.reported)
+
+    def _producing(self) -> tuple[Producer, _Flusher]:
+        producer, flusher = self._producer, self._flusher
+        if producer is not None and flusher is not None:
+            return producer, flusher
+        with self._lock:
+            if self._closed:
+                raise BackendUnavailable("kafka transport is closed")
+            if self._producer is None or self._flusher is None:
+                config: dict[str, Any] = {
+                    "bootstrap.servers": self.bootstrap_servers,
+                    "client.id": "agent-dispatch-producer",
+                    # Exactly-once per partition on retries, in order; acks=all is implied, but said.
+                    "enable.idempotence": True,
+                    "acks": "all",
+                    "linger.ms": self.tuning.linger_ms,
+                    "message.timeout.ms": int(self.tuning.delivery_timeout_s * 1000),
+                    # Same key -> same partition as Java clients (murmur2), so sessions stay put
+                    # whichever client produced them.
+                    "partitioner": "murmur2_random",
+                    "queue.buffering.max.messages": 1_000_000,
+                    "topic.metadata.refresh.interval.ms": 30_000,
+                    "socket.nagle.disable": True,
+                    "logger": _ClientLog(),
+                    "error_cb": _ErrorReporter("producer"),
+                    **self.tuning.producer_config,
+                }
+                self._producer = Producer(config)
+                self._flusher = _Flusher(self._producer)
+            return self._producer, self._flusher
+
+    # -- consuming -------------------------------------------------------------------------------
+
+    def _consumer_for_thread(self) -> _ThreadConsumer:
+        tc: _ThreadConsumer | None = getattr(self._local, "consumer", None)
+        if tc is None:
+            with self._lock:
+                if self._closed:
+                    raise BackendUnavailable("kafka transport is closed")
+                tc = _ThreadConsumer(self)
+                self._consumers[tc.uid] = tc
+            self._local.consumer = tc
+        return tc
+
+    def claim(self, owner: str, *, max_items: int = 1, wait_s: float = 0.0) -> list[Delivery]:
+        if max_items < 1:
+            return []
+        tc = self._consumer_for_thread()
+        with tc.lock:
+            if tc.closed:
+                raise BackendUnavailable("kafka transport is closed")
+            return tc.claim(owner, max_items, wait_s)
+
+    def _own(self, receipt: Receipt) -> tuple[_ThreadConsumer, _Token]:
+        token = _Token.decode(receipt.token)
+        tc: _ThreadConsumer | None = getattr(self._local, "consumer", None)
+        if tc is None or tc.uid != token.consumer:
+            raise Fenced("the receipt belongs to another worker thread's consumer")
+        return tc, token
+
+    def ack(self, receipt: Receipt) -> None:
+        tc, token = self._own(receipt)
+        with tc.lock:
+            if tc.closed:
+                raise Fenced("the consumer that issued this receipt is closed")
+            tc.ack(token, receipt.owner)
+
+    def release(self, receipt: Receipt, *, delay_s: float = 0.0) -> None:
+        tc, token = self._own(receipt)
+        with tc.lock:
+            if tc.closed:
+                raise Fenced("the consumer that issued this receipt is closed")
+            tc.release(token, receipt.owner, delay_s)
+
+
+__all__ = [
+    "WORK_ITEM_HEADER",
+    "DeliveryFailed",
+    "KafkaTransport",
+    "KafkaTuning",
+    "PartitionDecreaseRefused",
+    "TopicChange",
+    "consumer_group_lag",
+    "ensure_topic",
+    "topic_partition_count",
+]
