@@ -28,6 +28,12 @@ def _doctor(args: argparse.Namespace) -> int:
     return run_doctor(args)
 
 
+def _operator(args: argparse.Namespace) -> int:
+    from agent_dispatch.operator._run import main as run_operator
+
+    return run_operator(args)
+
+
 def _not_yet(name: str) -> Handler:
     def handler(args: argparse.Namespace) -> int:
         settings_module.load_or_exit(f"agent-dispatch {name}")
@@ -54,11 +60,36 @@ def build_parser() -> argparse.ArgumentParser:
         ("submit", "submit an agent turn"),
         ("jobs", "show, list, watch or cancel jobs"),
         ("worker", "run a worker (same as agent-dispatch-worker)"),
-        ("operator", "run the Kubernetes operator (same as agent-dispatch-operator)"),
         ("gateway", "run the HTTP gateway"),
         ("migrate", "create or upgrade the WorkItem and queue schema"),
     ]:
         sub.add_parser(name, help=help_text).set_defaults(handler=_not_yet(name))
+
+    operator = sub.add_parser(
+        "operator", help="run the Kubernetes operator (same as agent-dispatch-operator)"
+    )
+    scope = operator.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NAMESPACE",
+        help="watch this namespace (repeatable; glob patterns allowed)",
+    )
+    scope.add_argument(
+        "-A",
+        "--all-namespaces",
+        action="store_true",
+        help="watch every namespace (the default when no --namespace is given)",
+    )
+    operator.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        metavar="URL",
+        help="serve the liveness endpoint at URL ('' disables it)",
+    )
+    operator.set_defaults(handler=_operator)
     return parser
 
 
