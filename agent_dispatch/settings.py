@@ -7,6 +7,7 @@ variable naming it, the problem and the allowed range, before anything else star
 
 from __future__ import annotations
 
+import re
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -66,6 +67,11 @@ ALLOWED: Final[dict[str, str]] = {
     "AGENT_DISPATCH_INSTANCE": "the AgentDispatch resource name (a DNS-1123 label)",
     "AGENT_DISPATCH_NAMESPACE": "a Kubernetes namespace (a DNS-1123 label)",
     "AGENT_DISPATCH_WORKER_ID": "letters, digits, '.', '_', '-' (up to 200)",
+    "AGENT_DISPATCH_GATEWAY_HOST": "an IP address or host name to listen on (default 127.0.0.1)",
+    "AGENT_DISPATCH_GATEWAY_PORT": "a TCP port from 0 to 65535 (0: any free port)",
+    "AGENT_DISPATCH_TOKENS_FILE": "a file (YAML or JSON) mapping each tenant to the sha256 hex of its bearer token",
+    "AGENT_DISPATCH_GATEWAY_URL": "an http:// or https:// URL of a gateway (used by submit and jobs)",
+    "AGENT_DISPATCH_TOKEN": "a bearer token of 16 to 4096 printable characters (used by submit and jobs)",
 }
 
 
@@ -154,6 +160,19 @@ class Settings(BaseSettings):
         None, validation_alias=AliasChoices("AGENT_DISPATCH_WORKER_ID", "POD_NAME")
     )
 
+    gateway_host: Annotated[str, Field(pattern=r"^[A-Za-z0-9.:_\[\]-]{1,253}$")] = Field(
+        "127.0.0.1", validation_alias=_env("AGENT_DISPATCH_GATEWAY_HOST")
+    )
+    gateway_port: Annotated[int, Field(ge=0, le=65535)] = Field(
+        8080, validation_alias=_env("AGENT_DISPATCH_GATEWAY_PORT")
+    )
+    tokens_file: Path | None = Field(None, validation_alias=_env("AGENT_DISPATCH_TOKENS_FILE"))
+    gateway_url: Annotated[str, Field(pattern=r"^https?://[^\s/]+(/\S*)?$")] | None = Field(
+        None, validation_alias=_env("AGENT_DISPATCH_GATEWAY_URL")
+    )
+    # The client side of the gateway's bearer auth; a secret, so never echoed in errors.
+    token: SecretStr | None = Field(None, validation_alias=_env("AGENT_DISPATCH_TOKEN"))
+
     @field_validator("executor_url", mode="after")
     @classmethod
     def _http_needs_url(cls, value: str | None, info: ValidationInfo) -> str | None:
@@ -186,6 +205,13 @@ class Settings(BaseSettings):
             host, sep, port = item.strip().rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"{item.strip()!r} is not host:port")
+        return value
+
+    @field_validator("token")
+    @classmethod
+    def _token_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not re.fullmatch(r"[\x21-\x7e]{16,4096}", value.get_secret_value()):
+            raise ValueError("is not 16 to 4096 printable characters without spaces")
         return value
 
     @field_validator("signing_key")
@@ -242,6 +268,10 @@ ENV_NAMES: Final[dict[str, str]] = {
 }
 
 
+#: Variables whose values are secrets: an error line names them but never shows the value.
+SECRET_ENV: Final = frozenset({"STATE_DB_URI", "AGENT_DISPATCH_SIGNING_KEY", "AGENT_DISPATCH_TOKEN"})
+
+
 class InvalidSetting(ValueError):
     """One or more settings are invalid; ``lines`` has one message per bad variable."""
 
@@ -261,9 +291,7 @@ def describe_errors(error: ValidationError, given: dict[str, Any] | None = None)
             continue
         seen.add(env)
         problem = str(item["msg"]).removeprefix("Value error, ")
-        shown = (
-            "" if env in {"STATE_DB_URI", "AGENT_DISPATCH_SIGNING_KEY"} else _shown_value(item.get("input"))
-        )
+        shown = "" if env in SECRET_ENV else _shown_value(item.get("input"))
         allowed = ALLOWED.get(env, "see the configuration table in the README")
         lines.append(f"invalid setting {env}{shown}: {problem}; allowed: {allowed}")
     return lines

@@ -102,6 +102,7 @@ BOUNDS = [
     ("AGENT_DISPATCH_CONCURRENCY", ["1", "256"], "concurrency"),
     ("AGENT_DISPATCH_EXECUTOR_TIMEOUT_S", ["0.1", "3600"], "executor_timeout_s"),
     ("AGENT_DISPATCH_SHUTDOWN_GRACE_S", ["0", "3600"], "shutdown_grace_s"),
+    ("AGENT_DISPATCH_GATEWAY_PORT", ["0", "65535"], "gateway_port"),
 ]
 
 
@@ -166,6 +167,11 @@ INVALID = [
     ({"AGENT_DISPATCH_INSTANCE": "Bad_Name"}, "AGENT_DISPATCH_INSTANCE", ["DNS-1123"]),
     ({"AGENT_DISPATCH_NAMESPACE": "-x"}, "AGENT_DISPATCH_NAMESPACE", ["DNS-1123"]),
     ({"AGENT_DISPATCH_WORKER_ID": "a b"}, "AGENT_DISPATCH_WORKER_ID", ["up to 200"]),
+    ({"AGENT_DISPATCH_GATEWAY_PORT": "65536"}, "AGENT_DISPATCH_GATEWAY_PORT", ["0 to 65535"]),
+    ({"AGENT_DISPATCH_GATEWAY_PORT": "http"}, "AGENT_DISPATCH_GATEWAY_PORT", ["valid integer"]),
+    ({"AGENT_DISPATCH_GATEWAY_HOST": "bad host"}, "AGENT_DISPATCH_GATEWAY_HOST", ["IP address or host name"]),
+    ({"AGENT_DISPATCH_GATEWAY_URL": "ftp://x"}, "AGENT_DISPATCH_GATEWAY_URL", ["http:// or https://"]),
+    ({"AGENT_DISPATCH_TOKEN": "short"}, "AGENT_DISPATCH_TOKEN", ["16 to 4096 printable"]),
 ]
 
 
@@ -183,6 +189,31 @@ def test_invalid_value_names_the_variable(
     assert line.startswith(f"invalid setting {var}")
     for word in words:
         assert word in line
+
+
+def test_gateway_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cfg = s.load()
+    assert (cfg.gateway_host, cfg.gateway_port, cfg.tokens_file) == ("127.0.0.1", 8080, None)
+    assert cfg.gateway_url is None and cfg.token is None
+    tokens = tmp_path / "tokens.yaml"
+    cfg = load_with(
+        monkeypatch,
+        AGENT_DISPATCH_GATEWAY_HOST="0.0.0.0",
+        AGENT_DISPATCH_GATEWAY_PORT="9000",
+        AGENT_DISPATCH_TOKENS_FILE=str(tokens),
+        AGENT_DISPATCH_GATEWAY_URL="http://gateway.agents:8080",
+        AGENT_DISPATCH_TOKEN="t" * 32,
+    )
+    assert (cfg.gateway_host, cfg.gateway_port, cfg.tokens_file) == ("0.0.0.0", 9000, tokens)
+    assert cfg.gateway_url == "http://gateway.agents:8080"
+    assert cfg.token is not None and cfg.token.get_secret_value() == "t" * 32
+
+
+def test_token_is_never_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(s.InvalidSetting) as info:
+        load_with(monkeypatch, AGENT_DISPATCH_TOKEN="hunter4 with spaces")
+    assert "hunter4" not in str(info.value)
+    assert info.value.lines[0].startswith("invalid setting AGENT_DISPATCH_TOKEN:")
 
 
 def test_secrets_are_never_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
