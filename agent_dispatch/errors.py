@@ -69,3 +69,7 @@ class BackendUnavailable(DispatchError):
 
 class SchemaOutdated(DispatchError):
     """The database schema is older than this code; run ``agent-dispatch migrate``."""
+
+
+class InvalidRequest(DispatchError, ValueError):
+    """A request the store refuses before touching anything (no tenant, bad priority, self-dependency)."""

@@ -28,6 +28,12 @@ def _doctor(args: argparse.Namespace) -> int:
     return run_doctor(args)
 
 
+def _migrate(args: argparse.Namespace) -> int:
+    from agent_dispatch.cli._migrate import run_migrate
+
+    return run_migrate(args)
+
+
 def _operator(args: argparse.Namespace) -> int:
     from agent_dispatch.operator._run import main as run_operator
 
@@ -61,9 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("jobs", "show, list, watch or cancel jobs"),
         ("worker", "run a worker (same as agent-dispatch-worker)"),
         ("gateway", "run the HTTP gateway"),
-        ("migrate", "create or upgrade the WorkItem and queue schema"),
     ]:
         sub.add_parser(name, help=help_text).set_defaults(handler=_not_yet(name))
+
+    sub.add_parser("migrate", help="create or upgrade the WorkItem and queue schema").set_defaults(
+        handler=_migrate
+    )
 
     operator = sub.add_parser(
         "operator", help="run the Kubernetes operator (same as agent-dispatch-operator)"
