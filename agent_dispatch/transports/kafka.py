@@ -248,7 +248,8 @@ class KafkaTuning:
     commit_interval_s: float = 0.05
     #: Claimed but neither acknowledged nor released for this long: redelivered (None: from settings).
     visibility_timeout_s: float | None = None
-    #: Consumer group session timeout (a crashed worker's partitions move after this).
+    #: Consumer group session timeout (a crashed process's partitions move after this); capped at
+    #: the visibility timeout, since librdkafka needs it at or below max.poll.interval.ms.
     session_timeout_s: float = 45.0
     #: Producer linger: how long librdkafka may hold a message to batch it with others.
     linger_ms: float = 2.0
@@ -376,6 +377,59 @@ class _Slot:
     due_at: float = 0.0  # DUE: when it may be handed out again
 
 
+#: Commit metadata version tag. The metadata tells the next owner of a partition what the previous
+#: one delivered ("d": highest delivered offset) and which of those were still unacknowledged
+#: ("u": offset ranges, "*" when too many to list), so acknowledged turns past the committed
+#: prefix are not handed out again and redeliveries are counted.
+_META_VERSION: Final = "ad1"
+#: Brokers accept 4096 bytes of commit metadata by default; beyond this, "u=*" (redeliver all).
+_META_MAX_CHARS: Final = 2000
+
+
+@dataclass(frozen=True)
+class _Prior:
+    """What the previous owner of a partition recorded in its last commit."""
+
+    delivered_through: int
+    #: Offsets <= delivered_through still unacknowledged then (None: unknown, treat all as such).
+    unacked: frozenset[int] | None
+
+    @staticmethod
+    def parse(text: str | None) -> _Prior | None:
+        if not text or not text.startswith(_META_VERSION + ";"):
+            return None
+        fields = dict(item.partition("=")[::2] for item in text.split(";")[1:])
+        try:
+            through = int(fields["d"])
+            listed = fields.get("u", "*")
+            if listed == "*":
+                return _Prior(through, None)
+            offsets: set[int] = set()
+            for span in filter(None, listed.split(",")):
+                first, _, last = span.partition("-")
+                offsets.update(range(int(first), int(last or first) + 1))
+            return _Prior(through, frozenset(offsets))
+        except (KeyError, ValueError):
+            return None  # not ours or damaged: fall back to redelivering everything
+
+
+def _ranges(offsets: Sequence[int]) -> str:
+    """Sorted offsets as compact ranges: 3,5-7,9."""
+    spans: list[str] = []
+    start = prev = None
+    for offset in offsets:
+        if start is None:
+            start = prev = offset
+        elif prev is not None and offset == prev + 1:
+            prev = offset
+        else:
+            spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = offset
+    if start is not None:
+        spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(spans)
+
+
 @dataclass
 class _PartitionState:
     epoch: int
@@ -390,7 +444,10 @@ class _PartitionState:
     order: collections.deque[int] = field(default_factory=collections.deque)
     #: Offsets in ``unacked`` waiting for redelivery.
     due: set[int] = field(default_factory=set)
-    committed: int | None = None
+    #: (offset, metadata) of the last commit sent for this partition.
+    committed: tuple[int, str] | None = None
+    prior_loaded: bool = False
+    prior: _Prior | None = None
     seek_retry_at: float = 0.0
 
     def commit_position(self) -> int | None:
@@ -401,6 +458,12 @@ class _PartitionState:
         if order:
             return order[0]
         return None if self.max_seen is None else self.max_seen + 1
+
+    def commit_metadata(self) -> str:
+        if self.max_seen is None:
+            return ""
+        text = f"{_META_VERSION};d={self.max_seen};u={_ranges(sorted(self.unacked))}"
+        return text if len(text) <= _META_MAX_CHARS else f"{_META_VERSION};d={self.max_seen};u=*"
 
 
 @dataclass(frozen=True)
@@ -430,20 +493,32 @@ class _Token:
 _consumer_ids = itertools.count(1)
 _epochs = itertools.count(1)
 
+#: Consumer errors that no retry fixes: the configuration is refused by the cluster.
+_CONFIG_ERRORS: Final = frozenset(
+    {
+        KafkaError.INVALID_SESSION_TIMEOUT,
+        KafkaError.GROUP_AUTHORIZATION_FAILED,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    }
+)
+
 
 class _ThreadConsumer:
     """One worker thread's consumer and its per-partition delivery state.
 
-    Everything but :meth:`close` runs on the owning thread; rebalance callbacks run inside its
-    own ``consume``/``poll``/``close`` calls. The lock only keeps a ``close`` from another thread
-    (transport shutdown) from interleaving with the owner.
+    The owning thread does everything except (a) the background committer flushing a coalesced
+    commit while the owner is not inside a call and (b) closing at shutdown or after the owner
+    thread died. The lock keeps those from interleaving with the owner; rebalance callbacks run
+    inside the lock holder's own ``poll``/``consume``/``close`` call.
     """
 
     def __init__(self, transport: KafkaTransport) -> None:
         self.uid = f"{threading.get_ident():x}.{next(_consumer_ids)}"
-        self.thread_name = threading.current_thread().name
+        self.thread = threading.current_thread()
         self.lock = threading.Lock()
         self.closed = False
+        #: Acknowledgements (or deliveries) not committed yet; the committer flushes them.
+        self.dirty = False
         self._t = transport
         self._topic = transport.topic
         self._visibility_s = transport.visibility_timeout_s
@@ -451,8 +526,9 @@ class _ThreadConsumer:
         self._parts: dict[int, _PartitionState] = {}
         self._next_expiry = float("inf")
         self._last_commit = 0.0
-        self._dirty = False
-        session_ms = int(transport.tuning.session_timeout_s * 1000)
+        visibility_ms = max(1000, int(self._visibility_s * 1000))
+        # librdkafka requires session.timeout <= max.poll.interval; see max.poll.interval below.
+        session_ms = min(int(transport.tuning.session_timeout_s * 1000), visibility_ms)
         config: dict[str, Any] = {
             "bootstrap.servers": transport.bootstrap_servers,
             "group.id": transport.group,
@@ -464,10 +540,13 @@ class _ThreadConsumer:
             # that must move, instead of revoking (and redelivering) every partition of the group.
             "partition.assignment.strategy": "cooperative-sticky",
             "session.timeout.ms": session_ms,
-            "heartbeat.interval.ms": max(100, session_ms // 3),
-            # A thread that stops claiming (stuck turn) for longer than the visibility timeout
-            # leaves the group, so its partitions, and what it withheld, go to another consumer.
-            "max.poll.interval.ms": max(int(self._visibility_s * 1000), session_ms),
+            # Members learn of a rebalance from their heartbeat, and a cooperative rebalance takes
+            # two rounds: a short interval lets a joining worker thread get partitions in ~2 s.
+            "heartbeat.interval.ms": max(100, min(1000, session_ms // 3)),
+            # The visibility timeout, enforced by the group: a thread that has not come back to
+            # claim (or ack) for this long is taken out of the group, so its partitions, and the
+            # deliveries it withheld, go to another consumer from the committed prefix.
+            "max.poll.interval.ms": visibility_ms,
             # Partitions added by the operator are picked up within this interval.
             "topic.metadata.refresh.interval.ms": 30_000,
             "socket.nagle.disable": True,
@@ -480,7 +559,7 @@ class _ThreadConsumer:
             [self._topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
 
-    # -- rebalance callbacks (on the owning thread, inside consume/close) --------------------
+    # -- rebalance callbacks (inside the lock holder's poll/consume/close) -----------------------
 
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
@@ -489,28 +568,16 @@ class _ThreadConsumer:
                 # (before a revoke) can never acknowledge anything in this one.
                 self._parts[tp.partition] = _PartitionState(epoch=next(_epochs))
 
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        # Hand over exactly the acknowledged prefix, so the next owner starts at the first
-        # unacknowledged turn; whatever this thread still holds becomes stale (Fenced).
-        revoked = [tp.partition for tp in partitions if tp.topic == self._topic]
-        offsets = []
-        for partition in revoked:
-            state = self._parts.get(partition)
-            position = None if state is None else state.commit_position()
-            # Even if an asynchronous commit already carried it: this one is confirmed.
-            if position is not None:
-                offsets.append(TopicPartition(self._topic, partition, position))
-        if offsets:
-            try:
-                consumer.commit(offsets=offsets, asynchronous=False)
-            except KafkaException as exc:
-                # Not fatal: the next owner starts at an older commit and redelivers more.
-                log.warning("kafka commit on revoke failed", extra={"kafka_error": _describe(exc)})
+    def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Hand over exactly the acknowledged prefix (and what lies past it), so the next owner
+        # starts at the first unacknowledged turn; what this thread still holds becomes stale.
+        revoked = {tp.partition for tp in partitions if tp.topic == self._topic}
+        self.commit(synchronous=True, only=revoked)
         for partition in revoked:
             self._parts.pop(partition, None)
 
     def _on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        # The group already gave these away: committing now could only fail or move backwards.
+        # The group already gave these away: a commit now would be refused (stale generation).
         for tp in partitions:
             if tp.topic == self._topic:
                 self._parts.pop(tp.partition, None)
@@ -518,8 +585,7 @@ class _ThreadConsumer:
     # -- claim ---------------------------------------------------------------------------------
 
     def claim(self, owner: str, max_items: int, wait_s: float) -> list[Delivery]:
-        start = time.monotonic()
-        deadline = start + max(0.0, wait_s)
+        deadline = time.monotonic() + max(0.0, wait_s)
         out: list[Delivery] = []
         self.commit(force=True)
         while True:
@@ -544,13 +610,16 @@ class _ThreadConsumer:
                 break
             if now >= deadline and (out or not batch):
                 break
+        if out:
+            # Record what was handed out (commit metadata), so a next owner counts redeliveries.
+            self.commit()
         return out
 
     def _accept(self, message: Message, owner: str, now: float) -> Delivery | None:
         err = message.error()
         if err is not None:
-            if err.fatal():
-                raise BackendUnavailable(f"kafka consumer failed fatally ({err.name()})")
+            if err.fatal() or err.code() in _CONFIG_ERRORS:
+                raise BackendUnavailable(f"kafka consumer cannot continue ({err.name()})")
             if err.code() != KafkaError._PARTITION_EOF:
                 log.debug("kafka consumer event", extra={"kafka_error": err.name()})
             return None
@@ -572,7 +641,15 @@ class _ThreadConsumer:
             slot.deadline = now + self._visibility_s
         else:
             state.max_seen = offset
-            slot = _Slot(owner=owner, state=_SlotState.HELD, deliveries=1, deadline=now + self._visibility_s)
+            prior = self._prior(partition, state)
+            before = 0
+            if prior is not None and offset <= prior.delivered_through:
+                if prior.unacked is not None and offset not in prior.unacked:
+                    return None  # the previous owner had it acknowledged past its committed prefix
+                before = 1
+            slot = _Slot(
+                owner=owner, state=_SlotState.HELD, deliveries=before + 1, deadline=now + self._visibility_s
+            )
             state.unacked[offset] = slot
             state.order.append(offset)
         self._next_expiry = min(self._next_expiry, slot.deadline)
@@ -583,6 +660,18 @@ class _ThreadConsumer:
             work_item_id=_work_item_id(message),
             redelivered=slot.deliveries - 1,
         )
+
+    def _prior(self, partition: int, state: _PartitionState) -> _Prior | None:
+        """The previous owner's commit metadata for a newly assigned partition (read once)."""
+        if not state.prior_loaded:
+            state.prior_loaded = True
+            try:
+                (found,) = self.consumer.committed([TopicPartition(self._topic, partition)], timeout=5.0)
+                state.prior = _Prior.parse(found.metadata)
+            except (KafkaException, ValueError) as exc:
+                # Without it every turn past the prefix is simply delivered again.
+                log.debug("kafka committed metadata unavailable", extra={"kafka_error": _describe(exc)})
+        return state.prior
 
     def _expire(self, now: float) -> None:
         """Held past the visibility timeout: due for redelivery now (the old receipt is stale)."""
@@ -658,19 +747,31 @@ class _ThreadConsumer:
 
     # -- commits ---------------------------------------------------------------------------------
 
-    def commit(self, *, force: bool = False, synchronous: bool = False) -> None:
-        """Commit each partition's acknowledged prefix, coalesced to one request per interval."""
+    def commit(self, *, force: bool = False, synchronous: bool = False, only: set[int] | None = None) -> None:
+        """Commit each partition's acknowledged prefix (with metadata), at most once per interval.
+
+        Within the interval the commit is left to the background committer (or the next claim),
+        so a burst of acknowledgements costs one request, and an idle owner's last ones still land.
+        """
         now = time.monotonic()
         if not force and not synchronous and now - self._last_commit < self._commit_interval_s:
-            self._dirty = True
+            if not self.dirty:
+                self.dirty = True
+                self._t._commit_soon()
             return
+        self.dirty = False
         offsets = []
         for partition, state in self._parts.items():
+            if only is not None and partition not in only:
+                continue
             position = state.commit_position()
-            if position is not None and position != state.committed:
-                offsets.append(TopicPartition(self._topic, partition, position))
-                state.committed = position
-        self._dirty = False
+            if position is None:
+                continue
+            metadata = state.commit_metadata()
+            # On revoke and close: even if an asynchronous commit already carried it, confirm it.
+            if synchronous or state.committed != (position, metadata):
+                offsets.append(TopicPartition(self._topic, partition, position, metadata))
+                state.committed = (position, metadata)
         if not offsets:
             return
         self._last_commit = now
@@ -680,7 +781,7 @@ class _ThreadConsumer:
             else:
                 self.consumer.commit(offsets=offsets, asynchronous=True)
         except KafkaException as exc:
-            # The turns are not lost: a later commit (or the next owner) covers them again.
+            # Not lost: a later commit carries it, or the next owner redelivers a little more.
             for tp in offsets:
                 failed = self._parts.get(tp.partition)
                 if failed is not None:
@@ -695,6 +796,7 @@ class _ThreadConsumer:
             self.commit(synchronous=True)
         finally:
             try:
+                # Leaves the group at once (the partitions move now, not after a session timeout).
                 self.consumer.close()
             except (KafkaException, RuntimeError) as exc:
                 log.warning("kafka consumer close failed", extra={"kafka_error": _describe(exc)})
@@ -706,6 +808,56 @@ def _work_item_id(message: Message) -> str:
         if key == WORK_ITEM_HEADER and value is not None:
             return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
     return ""
+
+
+class _Committer:
+    """Background thread: flushes coalesced commits of idle consumers, closes orphaned ones.
+
+    A consumer whose owner thread is inside a call is skipped (non-blocking lock): that call
+    commits by itself. A consumer whose owner thread has exited is closed, so its partitions move
+    to live consumers now rather than after the visibility timeout.
+    """
+
+    def __init__(self, transport: KafkaTransport) -> None:
+        self._t = transport
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kafka-committer", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        interval = max(0.005, self._t.tuning.commit_interval_s)
+        while not self._stopping:
+            self._wake.wait(1.0)
+            self._wake.clear()
+            if self._stopping:
+                return
+            time.sleep(interval)  # let the acknowledgements of a burst pile into one commit
+            for tc in self._t._consumer_list():
+                try:
+                    if not tc.thread.is_alive():
+                        self._t._forget(tc)
+                        if tc.lock.acquire(timeout=5.0):
+                            try:
+                                tc.close()
+                            finally:
+                                tc.lock.release()
+                    elif tc.dirty and tc.lock.acquire(blocking=False):
+                        try:
+                            if not tc.closed:
+                                tc.commit(force=True)
+                        finally:
+                            tc.lock.release()
+                except Exception:  # keep flushing the others
+                    log.exception("kafka background commit failed")
+
+    def stop(self, timeout_s: float) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=timeout_s)
 
 
 # -- the transport -----------------------------------------------------------------------------
@@ -754,12 +906,18 @@ class KafkaTransport:
         self._flusher: _Flusher | None = None
         self._local = threading.local()
         self._consumers: dict[str, _ThreadConsumer] = {}
+        self._committer: _Committer | None = None
         # Admission bookkeeping (see _admit_bounded).
         self._probe_lock = threading.Lock()
         self._probe: _Probe | None = None
         self._admit_lock = threading.Lock()
         self._reserved = 0
         self._failed_locally = 0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> KafkaTransport:
+        """What :func:`agent_dispatch.transports.open_transport` calls."""
+        return cls(settings)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -795,6 +953,8 @@ class KafkaTransport:
             self._closed = True
             consumers = list(self._consumers.values())
             self._consumers.clear()
+        if self._committer is not None:
+            self._committer.stop(timeout_s=10.0)
         for tc in consumers:
             # Bounded: an owner thread blocked in claim() gives the lock back within its wait.
             if tc.lock.acquire(timeout=10.0):
@@ -968,8 +1128,23 @@ class KafkaTransport:
                     raise BackendUnavailable("kafka transport is closed")
                 tc = _ThreadConsumer(self)
                 self._consumers[tc.uid] = tc
+                if self._committer is None:
+                    self._committer = _Committer(self)
             self._local.consumer = tc
         return tc
+
+    def _consumer_list(self) -> list[_ThreadConsumer]:
+        with self._lock:
+            return list(self._consumers.values())
+
+    def _forget(self, tc: _ThreadConsumer) -> None:
+        with self._lock:
+            self._consumers.pop(tc.uid, None)
+
+    def _commit_soon(self) -> None:
+        committer = self._committer
+        if committer is not None:
+            committer.kick()
 
     def claim(self, owner: str, *, max_items: int = 1, wait_s: float = 0.0) -> list[Delivery]:
         if max_items < 1:
