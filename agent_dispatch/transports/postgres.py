@@ -1,0 +1,430 @@
+"""PostgreSQL transport: ``agent_dispatch_queue`` with fair ``FOR UPDATE SKIP LOCKED`` claims.
+
+Claim order: expired deadlines first, then priority (higher first), least recently served
+tenant, least recently served fairness group, deadline, enqueue time, id. The bookkeeping that
+keeps that order at a flat cost as the backlog and the tenant count grow lives in
+:mod:`agent_dispatch.transports._pg_schema`; this module is the Python side: connection pool,
+opaque scheduling references, receipts, LISTEN/NOTIFY wake-ups and error mapping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Final, TypeVar
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import TupleRow, tuple_row
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from agent_dispatch.errors import BackendUnavailable, DepthUnavailable, Fenced, QueueFull, SchemaOutdated
+from agent_dispatch.settings import Backend, Settings
+from agent_dispatch.transport import Delivery, OutboundTurn, Receipt
+from agent_dispatch.transports import _pg_schema as schema
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Group of a turn that names none: one lane per tenant.
+DEFAULT_GROUP: Final = ""
+_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+_RETRYABLE: Final = frozenset({"40P01", "40001"})  # deadlock detected, serialization failure
+_ATTEMPTS: Final = 3
+_REF_BYTES: Final = 16
+_RECEIPT_PREFIX: Final = "pg1"
+
+
+def _ts(value: float | None) -> datetime | None:
+    return None if value is None else datetime.fromtimestamp(value, UTC)
+
+
+def _micros(value: datetime) -> int:
+    return (value - _EPOCH) // timedelta(microseconds=1)
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """What a receipt token encodes: the row, its per-claim token and the claim timestamp."""
+
+    row_id: int
+    token: uuid.UUID
+    claimed_at: datetime
+
+    def encode(self) -> str:
+        return f"{_RECEIPT_PREFIX}.{self.row_id}.{self.token.hex}.{_micros(self.claimed_at)}"
+
+    @classmethod
+    def decode(cls, token: str) -> _Claim | None:
+        parts = token.split(".")
+        if len(parts) != 4 or parts[0] != _RECEIPT_PREFIX:
+            return None
+        try:
+            return cls(int(parts[1]), uuid.UUID(hex=parts[2]), _EPOCH + timedelta(microseconds=int(parts[3])))
+        except (ValueError, OverflowError):
+            return None
+
+
+class _Waker:
+    """One listening connection per transport; claimers wait on it instead of polling hard.
+
+    Notifications only shorten waits: claimers still poll at ``poll_interval_s``, so a lost
+    connection or a notification sent while reconnecting costs latency, never a delivery.
+    """
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[TupleRow]]) -> None:
+        self._connect = connect
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self.generation = 0
+        self._thread = threading.Thread(target=self._run, name="agent-dispatch-pg-listen", daemon=True)
+        self._thread.start()
+
+    def _bump(self) -> None:
+        with self._cond:
+            self.generation += 1
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                with self._connect() as conn:
+                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(schema.NOTIFY_CHANNEL)))
+                    backoff = 0.5
+                    self._bump()  # anything sent while we were not listening
+                    while not self._stop.is_set():
+                        for _ in conn.notifies(timeout=0.5):
+                            self._bump()
+            except psycopg.Error as exc:
+                log.debug("queue listener reconnecting after %s", type(exc).__name__)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    def wait(self, seen: int, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.generation != seen or self._stop.is_set(), timeout=timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._bump()
+        self._thread.join(timeout=5)
+
+
+class PostgresTransport:
+    """The PostgreSQL queue. Thread-safe: worker threads share one instance and its pool."""
+
+    backend = Backend.POSTGRES
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        max_depth: int,
+        visibility_timeout_s: float,
+        signing_key: bytes | None = None,
+        pool_max_size: int = 10,
+        connect_timeout_s: float = 10.0,
+        statement_timeout_s: float = 30.0,
+        poll_interval_s: float = 1.0,
+    ) -> None:
+        self.dsn = dsn
+        self.max_depth = max_depth
+        self.visibility_timeout_s = visibility_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self._signing_key = signing_key
+        self._connect_timeout_s = connect_timeout_s
+        # Timeouts on every statement and lock wait: a wedged server fails calls, never hangs them.
+        self._conn_kwargs: dict[str, object] = {
+            "autocommit": True,
+            "connect_timeout": max(1, int(connect_timeout_s)),
+            "options": f"-c statement_timeout={int(statement_timeout_s * 1000)} "
+            f"-c lock_timeout={int(statement_timeout_s * 1000)}",
+        }
+        self._pool_max_size = pool_max_size
+        self._pool: ConnectionPool[psycopg.Connection[TupleRow]] | None = None
+        self._ref_key: bytes | None = None
+        self._lock = threading.Lock()
+        self._waker: _Waker | None = None
+        self._closed = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PostgresTransport:
+        if settings.state_db_uri is None:
+            raise BackendUnavailable("postgres transport: STATE_DB_URI is not set")
+        key = settings.signing_key.get_secret_value().encode() if settings.signing_key else None
+        return cls(
+            settings.state_db_uri.get_secret_value(),
+            max_depth=settings.max_depth,
+            visibility_timeout_s=settings.effective_visibility_timeout_s,
+            signing_key=key,
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def ensure_ready(self) -> None:
+        """Open the pool, create or check the schema; ``BackendUnavailable`` if unreachable."""
+        with self._lock:
+            if self._ref_key is not None:
+                return
+            pool: ConnectionPool[psycopg.Connection[TupleRow]] = ConnectionPool(
+                self.dsn,
+                min_size=1,
+                max_size=self._pool_max_size,
+                kwargs=self._conn_kwargs,
+                timeout=self._connect_timeout_s,
+                open=False,
+                name="agent-dispatch-queue",
+            )
+            try:
+                pool.open(wait=True, timeout=self._connect_timeout_s)
+                with pool.connection() as conn, conn.transaction():
+                    salt = self._create_schema(conn)
+            except (psycopg.OperationalError, PoolTimeout) as exc:
+                # A pool left open would keep reconnecting in the background; start clean next time.
+                pool.close()
+                raise BackendUnavailable(f"postgres transport unavailable ({type(exc).__name__})") from None
+            except BaseException:
+                pool.close()
+                raise
+            self._pool = pool
+            # Scheduling columns hold a keyed hash of the tenant/group: opaque to anyone reading the
+            # table. The salt is per database; with a signing key configured, the key is also secret
+            # from a reader of the database.
+            self._ref_key = (
+                hmac.new(self._signing_key, salt, hashlib.sha256).digest() if self._signing_key else salt
+            )
+
+    @staticmethod
+    def _create_schema(conn: psycopg.Connection[TupleRow]) -> bytes:
+        """Create what is missing (idempotent, serialised by an advisory lock); return the ref salt."""
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (schema.DDL_LOCK_KEY,))
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS agent_dispatch_queue_meta (key text PRIMARY KEY, value bytea NOT NULL)"
+        )
+        row = conn.execute(
+            "SELECT value FROM agent_dispatch_queue_meta WHERE key = 'schema_version'"
+        ).fetchone()
+        if row is not None and int(bytes(row[0])) > schema.SCHEMA_VERSION:
+            raise SchemaOutdated(
+                f"the queue schema is version {int(bytes(row[0]))}; this code knows "
+                f"{schema.SCHEMA_VERSION}: upgrade agent-dispatch"
+            )
+        conn.execute(schema.DDL)
+        conn.execute(
+            "INSERT INTO agent_dispatch_queue_meta VALUES ('schema_version', %s), ('ref_salt', %s) "
+            "ON CONFLICT (key) DO NOTHING",
+            (str(schema.SCHEMA_VERSION).encode(), secrets.token_bytes(32)),
+        )
+        conn.execute(
+            "UPDATE agent_dispatch_queue_meta SET value = %s WHERE key = 'schema_version'",
+            (str(schema.SCHEMA_VERSION).encode(),),
+        )
+        salt = conn.execute("SELECT value FROM agent_dispatch_queue_meta WHERE key = 'ref_salt'").fetchone()
+        assert salt is not None
+        return bytes(salt[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            waker, self._waker = self._waker, None
+        if waker is not None:
+            waker.close()
+        if self._pool is not None:
+            self._pool.close()
+
+    # -- opaque scheduling references --------------------------------------------------------
+
+    def tenant_ref(self, tenant: str) -> bytes:
+        return self._ref(b"tenant", tenant.encode())
+
+    def group_ref(self, tenant: str, group: str | None) -> bytes:
+        return self._ref(b"group", tenant.encode(), (group or DEFAULT_GROUP).encode())
+
+    def _ref(self, *parts: bytes) -> bytes:
+        if self._ref_key is None:
+            self.ensure_ready()
+        assert self._ref_key is not None
+        return hmac.new(self._ref_key, b"\x00".join(parts), hashlib.sha256).digest()[:_REF_BYTES]
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def admit(self, turns: Sequence[OutboundTurn], *, bounded: bool = True) -> None:
+        if not turns:
+            return
+        self._ready()
+
+        def run() -> None:
+            with self._conn() as conn:
+                self.admit_on(conn, turns, bounded=bounded)
+
+        self._call(run, unavailable=DepthUnavailable)
+
+    def admit_on(
+        self, conn: psycopg.Connection[object], turns: Sequence[OutboundTurn], *, bounded: bool = True
+    ) -> int:
+        """Admit on the caller's connection, inside the caller's transaction (if any).
+
+        The enqueue path uses this to submit a WorkItem and admit its envelope in ONE
+        transaction when the WorkItem store lives in the same database. Returns the number of
+        rows inserted (a WorkItem that already has a queued delivery is skipped).
+        """
+        if not turns:
+            return 0
+        self._ready()
+        try:
+            with conn.cursor(row_factory=tuple_row) as cur:
+                cur.execute(
+                    "SELECT agent_dispatch_queue_admit(%s::text[], %s::text[], %s::bytea[], %s::bytea[], "
+                    "%s::integer[], %s::timestamptz[], %s::timestamptz[], %s::bytea[], %s::bigint)",
+                    (
+                        [t.work_item_id for t in turns],
+                        [t.session_id for t in turns],
+                        [self.tenant_ref(t.tenant) for t in turns],
+                        [self.group_ref(t.tenant, t.fairness_group) for t in turns],
+                        [t.priority for t in turns],
+                        [_ts(t.deadline) for t in turns],
+                        [_ts(t.not_before) for t in turns],
+                        [t.wire for t in turns],
+                        self.max_depth if bounded else None,
+                    ),
+                )
+                row = cur.fetchone()
+        except psycopg.Error as exc:
+            if exc.sqlstate == schema.QUEUE_FULL_SQLSTATE:
+                raise QueueFull(
+                    f"postgres queue: {len(turns)} more would exceed the bound {self.max_depth}"
+                ) from None
+            raise
+        return int(row[0]) if row else 0
+
+    def depth(self) -> int:
+        self._ready()
+
+        def run() -> int:
+            with self._conn() as conn:
+                row = conn.execute("SELECT depth FROM agent_dispatch_queue_depth").fetchone()
+            if row is None:
+                raise DepthUnavailable("postgres queue: the depth counter row is missing")
+            return int(row[0])
+
+        return self._call(run, unavailable=DepthUnavailable)
+
+    # -- delivery ---------------------------------------------------------------------------
+
+    def claim(self, owner: str, *, max_items: int = 1, wait_s: float = 0.0) -> list[Delivery]:
+        if max_items < 1:
+            return []
+        self._ready()
+        deadline = time.monotonic() + max(wait_s, 0.0)
+        waker = self._get_waker() if wait_s > 0 else None
+        while True:
+            # Read the wake-up generation before trying, so a notify in between is not lost.
+            seen = waker.generation if waker else 0
+            got = self._call(lambda: self._claim_once(owner, max_items), unavailable=BackendUnavailable)
+            remaining = deadline - time.monotonic()
+            if got or remaining <= 0 or waker is None:
+                return got
+            waker.wait(seen, min(remaining, self.poll_interval_s))
+
+    def _claim_once(self, owner: str, max_items: int) -> list[Delivery]:
+        with self._conn() as conn:
+            rows = conn.execute(
+                "SELECT id, work_item_id, wire, claim_token, claimed_at, deliveries "
+                "FROM agent_dispatch_queue_claim(%s, %s, make_interval(secs => %s))",
+                (owner, max_items, self.visibility_timeout_s),
+            ).fetchall()
+        return [
+            Delivery(
+                wire=bytes(wire),
+                receipt=Receipt(owner, _Claim(row_id, token, claimed_at).encode()),
+                work_item_id=work_item_id,
+                redelivered=deliveries - 1,
+            )
+            for row_id, work_item_id, wire, token, claimed_at, deliveries in rows
+        ]
+
+    def ack(self, receipt: Receipt) -> None:
+        if self.ack_many([receipt]):
+            raise Fenced("postgres queue: the receipt is stale or foreign (the claim was reassigned)")
+
+    def ack_many(self, receipts: Sequence[Receipt]) -> list[Receipt]:
+        """Acknowledge a batch in one round trip; returns the receipts refused as stale or foreign."""
+        self._ready()
+        parsed = [(r, _Claim.decode(r.token)) for r in receipts]
+        valid = [(r, c) for r, c in parsed if c is not None]
+        refused = [r for r, c in parsed if c is None]
+        if not valid:
+            return refused
+
+        def run() -> set[int]:
+            with self._conn() as conn:
+                rows = conn.execute(
+                    "SELECT agent_dispatch_queue_ack(%s::bigint[], %s::text[], %s::uuid[], %s::timestamptz[])",
+                    (
+                        [c.row_id for _, c in valid],
+                        [r.owner for r, _ in valid],
+                        [c.token for _, c in valid],
+                        [c.claimed_at for _, c in valid],
+                    ),
+                ).fetchall()
+            return {int(row[0]) for row in rows}
+
+        acked = self._call(run, unavailable=BackendUnavailable)
+        return refused + [r for r, c in valid if c.row_id not in acked]
+
+    def release(self, receipt: Receipt, *, delay_s: float = 0.0) -> None:
+        self._ready()
+        claim = _Claim.decode(receipt.token)
+        if claim is None:
+            raise Fenced("postgres queue: malformed receipt")
+
+        def run() -> bool:
+            with self._conn() as conn:
+                row = conn.execute(
+                    "SELECT agent_dispatch_queue_release(%s, %s, %s, %s, make_interval(secs => %s))",
+                    (claim.row_id, receipt.owner, claim.token, claim.claimed_at, max(delay_s, 0.0)),
+                ).fetchone()
+            return bool(row and row[0])
+
+        if not self._call(run, unavailable=BackendUnavailable):
+            raise Fenced("postgres queue: the receipt is stale or foreign (the claim was reassigned)")
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _ready(self) -> None:
+        if self._ref_key is None:
+            self.ensure_ready()
+
+    def _conn(self) -> AbstractContextManager[psycopg.Connection[TupleRow]]:
+        if self._pool is None:
+            raise BackendUnavailable("postgres transport is closed or not ready")
+        return self._pool.connection()
+
+    def _get_waker(self) -> _Waker:
+        with self._lock:
+            if self._waker is None and not self._closed:
+                self._waker = _Waker(lambda: psycopg.connect(self.dsn, **self._conn_kwargs))  # type: ignore[arg-type]
+            assert self._waker is not None
+            return self._waker
+
+    def _call(self, fn: Callable[[], T], *, unavailable: type[Exception]) -> T:
+        """Run one transaction; retry deadlocks, map connection failures to ``unavailable``."""
+        for attempt in range(1, _ATTEMPTS + 1):
+            try:
+                return fn()
+            except (psycopg.OperationalError, PoolTimeout) as exc:
+                if isinstance(exc, psycopg.Error) and exc.sqlstate in _RETRYABLE and attempt < _ATTEMPTS:
+                    continue
+                raise unavailable(f"postgres transport unavailable ({type(exc).__name__})") from None
+        raise AssertionError("unreachable")

@@ -1,0 +1,354 @@
+"""SQLite transport for local runs: ``agent_dispatch_queue`` in the WorkItem store's database file.
+
+The file lives in the XDG data directory (``settings.sqlite_path``) in WAL mode. Every write
+runs under ``BEGIN IMMEDIATE`` (SQLite's single writer lock taken up front), so:
+
+- admission is compare-and-admit on a counter row, atomic and O(1) (never ``COUNT(*)``);
+- a claim marks each row it takes with the claimer's owner and a fresh token in the same
+  transaction that chose it, so concurrent worker threads always get different rows; no thread
+  reads a shared head row that another may also be taking;
+- a receipt names the row, the owner and the per-claim token: once the visibility timeout has
+  handed the row to another worker, the old receipt can neither acknowledge nor release it.
+
+Claim order: expired deadlines first, priority (higher first), deadline, enqueue time, id.
+Fairness across tenants is the PostgreSQL transport's job; local runs have one user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Final
+
+from agent_dispatch.errors import BackendUnavailable, DepthUnavailable, Fenced, QueueFull, SchemaOutdated
+from agent_dispatch.settings import Backend, Settings
+from agent_dispatch.transport import Delivery, OutboundTurn, Receipt
+
+SCHEMA_VERSION: Final = 1
+COMPONENT: Final = "queue"
+QUEUE: Final = "agent_dispatch_queue"
+DEPTH: Final = "agent_dispatch_queue_depth"
+#: Shared with the WorkItem store (one row per component and version).
+VERSIONS: Final = "agent_dispatch_schema_version"
+_RECEIPT_PREFIX: Final = "sq1"
+# SQLite's clock in unix seconds, as the WorkItem store reads it (one clock for both).
+_NOW_EXPR: Final = "(julianday('now') - 2440587.5) * 86400.0"
+_NOW: Final = f"SELECT {_NOW_EXPR}"
+
+_SCHEMA: Final = (
+    f"""CREATE TABLE IF NOT EXISTS {QUEUE} (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        work_item_id TEXT NOT NULL UNIQUE,
+        session_id TEXT NOT NULL,
+        priority INTEGER NOT NULL,
+        deadline REAL,
+        enqueued_at REAL NOT NULL,
+        visible_at REAL NOT NULL,
+        claim_owner TEXT,
+        claim_token TEXT,
+        deliveries INTEGER NOT NULL DEFAULT 0,
+        wire BLOB NOT NULL
+    )""",
+    f"CREATE INDEX IF NOT EXISTS {QUEUE}_visible ON {QUEUE} (visible_at)",
+    f"CREATE INDEX IF NOT EXISTS {QUEUE}_order ON {QUEUE} (priority DESC, deadline, enqueued_at, id)",
+    f"""CREATE TABLE IF NOT EXISTS {DEPTH} (
+        singleton INTEGER PRIMARY KEY CHECK (singleton = 1),
+        depth INTEGER NOT NULL CHECK (depth >= 0)
+    )""",
+    f"INSERT OR IGNORE INTO {DEPTH} (singleton, depth) VALUES (1, 0)",
+)
+
+_CLAIM_ORDER: Final = (
+    "ORDER BY (deadline IS NOT NULL AND deadline <= :now) DESC, priority DESC, "
+    "deadline IS NULL, deadline, enqueued_at, id"
+)
+
+
+def _parse(token: str) -> tuple[int, str] | None:
+    parts = token.split(".")
+    if len(parts) != 3 or parts[0] != _RECEIPT_PREFIX or not parts[1].isdigit():
+        return None
+    return int(parts[1]), parts[2]
+
+
+class SqliteTransport:
+    """The SQLite queue; thread-safe (one connection per thread), shareable by local processes."""
+
+    backend = Backend.SQLITE
+    BUSY_TIMEOUT_S: Final = 30.0
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        max_depth: int,
+        visibility_timeout_s: float,
+        poll_interval_s: float = 0.25,
+    ) -> None:
+        self.path = Path(path)
+        self.max_depth = max_depth
+        self.visibility_timeout_s = visibility_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._connections: list[sqlite3.Connection] = []
+        # Wakes claimers in this process at once; other processes are found by polling.
+        self._cond = threading.Condition()
+        self._generation = 0
+        self._ready = False
+        self._closed = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SqliteTransport:
+        return cls(
+            settings.sqlite_path,
+            max_depth=settings.max_depth,
+            visibility_timeout_s=settings.effective_visibility_timeout_s,
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def ensure_ready(self) -> None:
+        if self._ready:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._write() as conn:
+                conn.execute(
+                    f"CREATE TABLE IF NOT EXISTS {VERSIONS} (component TEXT NOT NULL, version INTEGER NOT NULL,"
+                    " applied_at REAL NOT NULL, PRIMARY KEY (component, version))"
+                )
+                row = conn.execute(
+                    f"SELECT max(version) FROM {VERSIONS} WHERE component = ?", (COMPONENT,)
+                ).fetchone()
+                current = int(row[0] or 0)
+                if current > SCHEMA_VERSION:
+                    raise SchemaOutdated(
+                        f"the queue schema is version {current}; this code knows {SCHEMA_VERSION}: "
+                        "upgrade agent-dispatch"
+                    )
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                if current < SCHEMA_VERSION:
+                    conn.execute(
+                        f"INSERT INTO {VERSIONS} (component, version, applied_at) VALUES (?, ?, {_NOW_EXPR})",
+                        (COMPONENT, SCHEMA_VERSION),
+                    )
+        except (OSError, sqlite3.Error) as exc:
+            raise BackendUnavailable(f"sqlite transport unavailable ({type(exc).__name__}: {exc})") from None
+        self._ready = True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+        self._local = threading.local()
+        self._wake()
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def admit(self, turns: Sequence[OutboundTurn], *, bounded: bool = True) -> None:
+        if not turns:
+            return
+        self._ensure_ready_for(DepthUnavailable)
+        # Fail closed: a database that cannot be written is an unknown depth, never an empty queue.
+        try:
+            with self._write() as conn:
+                self.admit_on(conn, turns, bounded=bounded)
+        except (sqlite3.Error, BackendUnavailable) as exc:
+            raise DepthUnavailable(f"sqlite transport: admission failed ({type(exc).__name__})") from None
+        self._wake()
+
+    def admit_on(
+        self, conn: sqlite3.Connection, turns: Sequence[OutboundTurn], *, bounded: bool = True
+    ) -> int:
+        """Admit inside the caller's open write transaction on ``conn`` (the same database file).
+
+        The enqueue path uses this to submit a WorkItem and admit its envelope atomically.
+        Raises ``QueueFull`` (the caller rolls back); returns the number of rows inserted (a
+        WorkItem that already has a queued delivery is skipped, never queued twice).
+        """
+        if not turns:
+            return 0
+        self.ensure_ready()
+        now = float(conn.execute(_NOW).fetchone()[0])
+        inserted = 0
+        for turn in turns:
+            visible_at = max(turn.not_before or now, now)
+            cur = conn.execute(
+                f"INSERT OR IGNORE INTO {QUEUE} (work_item_id, session_id, priority, deadline, enqueued_at,"
+                " visible_at, wire) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    turn.work_item_id,
+                    turn.session_id,
+                    turn.priority,
+                    turn.deadline,
+                    now,
+                    visible_at,
+                    turn.wire,
+                ),
+            )
+            inserted += cur.rowcount
+        if bounded:
+            cur = conn.execute(
+                f"UPDATE {DEPTH} SET depth = depth + :n WHERE singleton = 1 AND depth + :n <= :bound",
+                {"n": inserted, "bound": self.max_depth},
+            )
+            if cur.rowcount != 1:
+                raise QueueFull(f"sqlite queue: {inserted} more would exceed the bound {self.max_depth}")
+        else:
+            conn.execute(f"UPDATE {DEPTH} SET depth = depth + ? WHERE singleton = 1", (inserted,))
+        return inserted
+
+    def depth(self) -> int:
+        self._ensure_ready_for(DepthUnavailable)
+        try:
+            row = self._connection().execute(f"SELECT depth FROM {DEPTH} WHERE singleton = 1").fetchone()
+        except sqlite3.Error as exc:
+            raise DepthUnavailable(f"sqlite transport: depth probe failed ({type(exc).__name__})") from None
+        if row is None:
+            raise DepthUnavailable("sqlite transport: the depth counter row is missing")
+        return int(row[0])
+
+    # -- delivery ---------------------------------------------------------------------------
+
+    def claim(self, owner: str, *, max_items: int = 1, wait_s: float = 0.0) -> list[Delivery]:
+        if max_items < 1:
+            return []
+        self.ensure_ready()
+        deadline = time.monotonic() + max(wait_s, 0.0)
+        while True:
+            with self._cond:
+                seen = self._generation
+            got = self._claim_once(owner, max_items)
+            remaining = deadline - time.monotonic()
+            if got or remaining <= 0 or self._closed:
+                return got
+            self._wait(seen, min(remaining, self.poll_interval_s))
+
+    def _claim_once(self, owner: str, max_items: int) -> list[Delivery]:
+        out: list[Delivery] = []
+        with self._write() as conn:
+            now = float(conn.execute(_NOW).fetchone()[0])
+            ids = [
+                row[0]
+                for row in conn.execute(
+                    f"SELECT id FROM {QUEUE} WHERE visible_at <= :now {_CLAIM_ORDER} LIMIT :n",
+                    {"now": now, "n": max_items},
+                )
+            ]
+            for row_id in ids:
+                token = secrets.token_hex(16)
+                work_item_id, wire, deliveries = conn.execute(
+                    f"UPDATE {QUEUE} SET claim_owner = ?, claim_token = ?, visible_at = ?,"
+                    " deliveries = deliveries + 1 WHERE id = ? RETURNING work_item_id, wire, deliveries",
+                    (owner, token, now + self.visibility_timeout_s, row_id),
+                ).fetchone()
+                out.append(
+                    Delivery(
+                        wire=bytes(wire),
+                        receipt=Receipt(owner, f"{_RECEIPT_PREFIX}.{row_id}.{token}"),
+                        work_item_id=work_item_id,
+                        redelivered=deliveries - 1,
+                    )
+                )
+        return out
+
+    def ack(self, receipt: Receipt) -> None:
+        if self.ack_many([receipt]):
+            raise Fenced("sqlite queue: the receipt is stale or foreign (the claim was reassigned)")
+
+    def ack_many(self, receipts: Sequence[Receipt]) -> list[Receipt]:
+        """Acknowledge a batch in one transaction; returns the receipts refused as stale or foreign."""
+        self.ensure_ready()
+        refused: list[Receipt] = []
+        with self._write() as conn:
+            acked = 0
+            for receipt in receipts:
+                parsed = _parse(receipt.token)
+                cur = None
+                if parsed is not None:
+                    cur = conn.execute(
+                        f"DELETE FROM {QUEUE} WHERE id = ? AND claim_owner = ? AND claim_token = ?",
+                        (parsed[0], receipt.owner, parsed[1]),
+                    )
+                if cur is None or cur.rowcount != 1:
+                    refused.append(receipt)
+                else:
+                    acked += 1
+            if acked:
+                conn.execute(f"UPDATE {DEPTH} SET depth = depth - ? WHERE singleton = 1", (acked,))
+        return refused
+
+    def release(self, receipt: Receipt, *, delay_s: float = 0.0) -> None:
+        self.ensure_ready()
+        parsed = _parse(receipt.token)
+        if parsed is None:
+            raise Fenced("sqlite queue: malformed receipt")
+        with self._write() as conn:
+            now = float(conn.execute(_NOW).fetchone()[0])
+            cur = conn.execute(
+                f"UPDATE {QUEUE} SET claim_owner = NULL, claim_token = NULL, visible_at = ?"
+                " WHERE id = ? AND claim_owner = ? AND claim_token = ?",
+                (now + max(delay_s, 0.0), parsed[0], receipt.owner, parsed[1]),
+            )
+            if cur.rowcount != 1:
+                raise Fenced("sqlite queue: the receipt is stale or foreign (the claim was reassigned)")
+        self._wake()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _ensure_ready_for(self, error: type[Exception]) -> None:
+        try:
+            self.ensure_ready()
+        except BackendUnavailable as exc:
+            raise error(str(exc)) from None
+
+    def _wait(self, seen: int, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._generation != seen or self._closed, timeout=timeout)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._generation += 1
+            self._cond.notify_all()
+
+    def _connection(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
+        if self._closed:
+            raise BackendUnavailable("the sqlite transport is closed")
+        # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
+        conn = sqlite3.connect(
+            self.path, timeout=self.BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
+        self._local.conn = conn
+        with self._lock:
+            self._connections.append(conn)
+        return conn
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        conn = self._connection()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            raise BackendUnavailable(f"sqlite transport is busy or unavailable ({exc})") from None
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
