@@ -155,17 +155,15 @@ def _postgres_step(spec: DispatchSpec, cluster: Cluster, namespace: str, *, muta
 
         with psycopg.connect(dsn, connect_timeout=POSTGRES_CONNECT_TIMEOUT_S) as conn:
             conn.execute("SELECT 1")
-    except Exception as exc:  # any driver error means "unreachable"; the text is redacted
-        return Transport(
-            ok=False, message=doctor.redact(f"PostgreSQL unreachable: {type(exc).__name__}: {exc}")
-        )
+    except Exception as exc:  # any driver error means "unreachable"
+        return Transport(ok=False, message=f"PostgreSQL unreachable: {_postgres_failure(exc)}")
     result = Transport(ok=True, message="PostgreSQL reachable")
     if mutate:
         try:
             migrated = _hooks.run_migrations(dsn)
         except Exception as exc:  # a failed migration is reported, never a crash of the operator
             result.ok = False
-            result.message = doctor.redact(f"migrations failed: {type(exc).__name__}: {exc}")
+            result.message = f"migrations failed: {_postgres_failure(exc)}"
             return result
         result.checks.append(
             doctor.Check("schema_migrations", "ok" if migrated.ran else "warn", migrated.detail)
@@ -181,6 +179,26 @@ def _postgres_step(spec: DispatchSpec, cluster: Cluster, namespace: str, *, muta
                 doctor.Check("queue_depth", "warn", doctor.redact(f"{type(exc).__name__}: {exc}"))
             )
     return result
+
+
+_PG_FAILURES: Final = (
+    ("password authentication failed", "authentication failed"),
+    ("does not exist", "database or role does not exist"),
+    ("connection refused", "connection refused"),
+    ("timeout", "connection timed out"),
+    ("could not translate host name", "host name not resolvable"),
+    ("no pg_hba.conf entry", "rejected by pg_hba.conf"),
+)
+
+
+def _postgres_failure(exc: BaseException) -> str:
+    """A category, never the driver's text: libpq messages quote addresses, users and database
+    names, which must not reach .status or events."""
+    text = str(exc).lower()
+    for needle, category in _PG_FAILURES:
+        if needle in text:
+            return f"{type(exc).__name__}: {category}"
+    return type(exc).__name__
 
 
 def _transport(

@@ -108,6 +108,14 @@ def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     configure_settings(settings)
 
 
+@kopf.on.login(registry=REGISTRY)
+def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """Credentials as the kubernetes client finds them (in-cluster ServiceAccount, else the
+    kubeconfig); a private registry does not get kopf's default login handlers."""
+    info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
+    return info
+
+
 @kopf.on.resume(*RESOURCE, registry=REGISTRY, id="reconcile")
 @kopf.on.create(*RESOURCE, registry=REGISTRY, id="reconcile")
 @kopf.on.update(*RESOURCE, registry=REGISTRY, id="reconcile")
