@@ -184,6 +184,50 @@ class OperatorProcess:
             return ""
 
 
+#: KEDA's CRDs ship inside its Go module; the tests install them from the module cache, never
+#: from a copy in this repository.
+KEDA_MODULE = "github.com/kedacore/keda/v2"
+KEDA_VERSION = "v2.21.0"
+
+
+def _keda_crd_file() -> Path:
+    from testenv._common import ServiceUnavailable, cache_dir, go_env
+
+    try:
+        proc = subprocess.run(
+            ["go", "mod", "download", "-json", f"{KEDA_MODULE}@{KEDA_VERSION}"],
+            cwd=cache_dir("build"),
+            env=go_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ServiceUnavailable(f"go mod download {KEDA_MODULE}@{KEDA_VERSION}: {exc}") from exc
+    if proc.returncode != 0:
+        raise ServiceUnavailable(f"go mod download {KEDA_MODULE}@{KEDA_VERSION} failed: {proc.stderr[-500:]}")
+    crd = Path(json.loads(proc.stdout)["Dir"]) / "config" / "crd" / "bases" / "keda.sh_scaledobjects.yaml"
+    if not crd.is_file():
+        raise ServiceUnavailable(f"{KEDA_MODULE}@{KEDA_VERSION} has no ScaledObject CRD")
+    return crd
+
+
+@pytest.fixture(scope="session")
+def keda_crd(kube: ControlPlane) -> str:
+    """KEDA's own ScaledObject CRD (from its Go module), installed in the test cluster."""
+    from tests._fixtures import USED, start_or_skip
+
+    crd = start_or_skip("keda-crds", _keda_crd_file)
+    USED["keda-crds"] = f"KEDA CRDs {KEDA_VERSION}"
+    kube.kubectl("apply", "--server-side", "-f", str(crd))
+    kube.kubectl("wait", "--for=condition=Established", "crd/scaledobjects.keda.sh", "--timeout=60s")
+    wait_for(
+        lambda: kube.kubectl("get", "scaledobjects", "-A", check=False).returncode == 0, 30, what="KEDA CRD"
+    )
+    return KEDA_VERSION
+
+
 @pytest.fixture
 def operator_factory(
     kube: ControlPlane, agentdispatch_crd: str, tmp_path: Path
