@@ -173,6 +173,9 @@ class Settings(BaseSettings):
     # The client side of the gateway's bearer auth; a secret, so never echoed in errors.
     token: SecretStr | None = Field(None, validation_alias=_env("AGENT_DISPATCH_TOKEN"))
 
+    kubeconfig: Path | None = Field(None, validation_alias=_env("KUBECONFIG"))
+    kubernetes_service_host: str | None = Field(None, validation_alias=_env("KUBERNETES_SERVICE_HOST"))
+
     @field_validator("executor_url", mode="after")
     @classmethod
     def _http_needs_url(cls, value: str | None, info: ValidationInfo) -> str | None:
@@ -255,6 +258,10 @@ class Settings(BaseSettings):
     def effective_renew_interval_s(self) -> float:
         """The lease guard renews at the configured interval, and never less often than TTL/3."""
         return min(self.renew_interval_s, self.claim_ttl_s / 3)
+
+    @property
+    def in_cluster(self) -> bool:
+        return self.kubernetes_service_host is not None
 
     @property
     def sqlite_path(self) -> Path:

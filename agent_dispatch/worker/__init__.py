@@ -1,0 +1,115 @@
+"""``agent-dispatch-worker``: claims deliveries, runs turns under fenced leases, commits, acknowledges."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from agent_dispatch.errors import BackendUnavailable, SchemaOutdated
+from agent_dispatch.settings import Settings
+from agent_dispatch.worker._executors import Executor, TurnFailed, load_executor
+from agent_dispatch.worker._loop import Worker, WorkerState
+
+__all__ = ["Executor", "TurnFailed", "Worker", "WorkerState", "build_worker", "run_worker"]
+
+log = logging.getLogger("agent_dispatch.worker")
+
+
+class WorkerStartupError(RuntimeError):
+    """A configuration or reachability problem found before any turn is claimed."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def build_worker(settings: Settings, *, concurrency: int | None = None) -> Worker:
+    """Open the store and transport named by the settings and assemble a worker (not started)."""
+    from agent_dispatch import dispatch, keys, stores, transports
+
+    try:
+        key = keys.signing_key(settings)
+    except keys.SigningKeyMissing as exc:
+        raise WorkerStartupError(str(exc), 2) from None
+    try:
+        executor = load_executor(settings)
+    except ValueError as exc:
+        raise WorkerStartupError(f"invalid setting {exc}", 2) from None
+    try:
+        store = stores.open_store(settings)
+        transport = transports.open_transport(settings)
+        transport.ensure_ready()
+    except BackendUnavailable as exc:
+        raise WorkerStartupError(str(exc), 2) from None
+    except SchemaOutdated as exc:
+        raise WorkerStartupError(str(exc), 1) from None
+
+    session_connect: Callable[[], Any] | None = None
+    if settings.state_db_uri is not None:
+        import psycopg
+
+        uri = settings.state_db_uri.get_secret_value()
+
+        def session_connect() -> Any:
+            return psycopg.connect(uri, autocommit=True)
+
+    def redrive() -> int:
+        return dispatch.redrive(store, transport, settings=settings, signing_key=key)
+
+    return Worker(
+        settings,
+        store,
+        transport,
+        executor,
+        signing_key=key,
+        concurrency=concurrency,
+        session_connect=session_connect,
+        redrive=redrive,
+    )
+
+
+def run_worker(settings: Settings, *, concurrency: int | None = None) -> int:
+    """Run until SIGTERM/SIGINT; then drain within the grace period. Returns the exit code."""
+    from agent_dispatch.worker._heartbeat import LeaseHeartbeat, kube_api_client
+    from agent_dispatch.worker._http import serve
+
+    try:
+        worker = build_worker(settings, concurrency=concurrency)
+    except WorkerStartupError as exc:
+        print(f"agent-dispatch worker: {exc}", flush=True)
+        return exc.exit_code
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+
+    server = None
+    if settings.metrics_port:
+        server = serve(worker.state, settings.metrics_port, stale_after_s=max(30.0, settings.claim_ttl_s))
+    heartbeat = None
+    if settings.instance and settings.namespace:
+        api = kube_api_client(settings)
+        if api is not None:
+            heartbeat = LeaseHeartbeat(
+                api,
+                settings.namespace,
+                settings.instance,
+                worker.worker_id,
+                duration_s=int(settings.claim_ttl_s),
+                interval_s=settings.effective_renew_interval_s,
+            )
+            heartbeat.start()
+    worker.start()
+    stop.wait()
+    log.info("stopping: no new claims; draining", extra={"grace_s": settings.shutdown_grace_s})
+    worker.stop()
+    if heartbeat is not None:
+        heartbeat.stop()
+    if server is not None:
+        server.shutdown()
+    worker.transport.close()
+    worker.store.close()
+    return 0

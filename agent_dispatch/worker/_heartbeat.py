@@ -1,0 +1,111 @@
+"""One coordination.k8s.io/v1 Lease per worker, renewed like a kubelet's node lease.
+
+The operator lists these by label and folds them into the AgentDispatch's ``.status``; a worker
+whose Lease is not renewed within ``leaseDurationSeconds`` counts as stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from datetime import UTC, datetime
+from typing import Any
+
+from agent_dispatch import k8s_names as names
+from agent_dispatch.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def lease_name(instance: str, worker_id: str) -> str:
+    name = re.sub(r"[^a-z0-9-]", "-", f"{instance}-worker-{worker_id}".lower()).strip("-")
+    return name[:253].rstrip("-")
+
+
+def lease_body(instance: str, worker_id: str, duration_s: int, now: datetime) -> dict[str, Any]:
+    stamp = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return {
+        "apiVersion": names.LEASE_API_VERSION,
+        "kind": "Lease",
+        "metadata": {
+            "name": lease_name(instance, worker_id),
+            "labels": {
+                names.INSTANCE_LABEL: instance,
+                names.COMPONENT_LABEL: names.WORKER_COMPONENT,
+                names.NAME_LABEL: names.APP_NAME,
+            },
+        },
+        "spec": {"holderIdentity": worker_id, "leaseDurationSeconds": duration_s, "renewTime": stamp},
+    }
+
+
+class LeaseHeartbeat:
+    """Creates the worker's Lease, renews it every ``interval_s``, deletes it on clean shutdown."""
+
+    def __init__(
+        self,
+        api_client: Any,
+        namespace: str,
+        instance: str,
+        worker_id: str,
+        *,
+        duration_s: int,
+        interval_s: float,
+    ) -> None:
+        from kubernetes import client
+
+        self._api = client.CoordinationV1Api(api_client)
+        self._namespace = namespace
+        self._instance = instance
+        self._worker_id = worker_id
+        self._duration_s = duration_s
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lease-heartbeat", daemon=True)
+        self.name = lease_name(instance, worker_id)
+        self.renewals = 0
+
+    def start(self) -> None:
+        self.beat()
+        self._thread.start()
+
+    def beat(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        body = lease_body(self._instance, self._worker_id, self._duration_s, datetime.now(UTC))
+        try:
+            self._api.patch_namespaced_lease(self.name, self._namespace, body)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            self._api.create_namespaced_lease(self._namespace, body)
+        self.renewals += 1
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.beat()
+            except Exception:
+                log.warning("worker Lease renewal failed", exc_info=True)
+
+    def stop(self, *, delete: bool = True) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if delete:
+            try:
+                self._api.delete_namespaced_lease(self.name, self._namespace)
+            except Exception:
+                log.info("worker Lease not deleted", exc_info=True)
+
+
+def kube_api_client(settings: Settings) -> Any | None:
+    """In a pod: the service account; elsewhere: $KUBECONFIG if set. None when neither is there."""
+    from kubernetes import client, config
+
+    if settings.in_cluster:
+        config.load_incluster_config()
+        return client.ApiClient()
+    if settings.kubeconfig is not None:
+        return config.new_client_from_config(config_file=str(settings.kubeconfig))
+    return None

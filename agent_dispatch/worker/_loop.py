@@ -1,0 +1,352 @@
+"""The fenced claim -> execute -> commit -> acknowledge loop.
+
+Acknowledgement happens only after a durable fenced commit (invariant 5). Every other path
+either releases the delivery for redelivery or acknowledges a delivery whose WorkItem is
+already settled; nothing is acknowledged and dropped while its WorkItem still needs work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent_dispatch.envelope import AgentTurnEnvelope, open_envelope, peek_job_id
+from agent_dispatch.errors import (
+    Cancelled,
+    DispatchError,
+    Fenced,
+    InvalidTransition,
+    LeaseExpired,
+    LeaseHeld,
+    LeaseLost,
+    NotFound,
+    PoisonEnvelope,
+)
+from agent_dispatch.lease import WorkItemLeaseGuard, session_execution_guard
+from agent_dispatch.models import Lease, Outcome, WorkItem, WorkState
+from agent_dispatch.settings import Settings
+from agent_dispatch.store import WorkItemStore
+from agent_dispatch.transport import Delivery, Transport
+from agent_dispatch.worker import _metrics as m
+from agent_dispatch.worker._executors import Executor, TurnFailed
+
+log = logging.getLogger("agent_dispatch.worker")
+
+#: How long a delivery whose WorkItem is busy elsewhere waits before it comes back.
+BUSY_DELAY_S = 1.0
+
+
+@dataclass
+class _InFlight:
+    delivery: Delivery
+    lease: Lease | None = None
+    guard: WorkItemLeaseGuard | None = None
+
+
+@dataclass
+class WorkerState:
+    """What the health endpoints and the heartbeat report."""
+
+    started_at: float = field(default_factory=time.time)
+    last_loop_at: float = 0.0
+    draining: bool = False
+    ready: bool = False
+
+
+class Worker:
+    """Runs ``concurrency`` claim loops over one store and one transport."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: WorkItemStore,
+        transport: Transport,
+        executor: Executor,
+        *,
+        signing_key: bytes,
+        concurrency: int | None = None,
+        worker_id: str | None = None,
+        session_connect: Callable[[], Any] | None = None,
+        redrive: Callable[[], int] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.transport = transport
+        self.executor = executor
+        self.signing_key = signing_key
+        self.concurrency = concurrency or settings.concurrency
+        self.worker_id = worker_id or settings.worker_id or f"w-{uuid.uuid4().hex[:10]}"
+        self.session_connect = session_connect
+        self.redrive = redrive
+        self.state = WorkerState()
+        self._stop_claiming = threading.Event()
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._in_flight: dict[str, _InFlight] = {}
+        self._in_flight_lock = threading.Lock()
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for index in range(self.concurrency):
+            owner = f"{self.worker_id}/{index}"
+            thread = threading.Thread(
+                target=self._claim_loop, args=(owner,), name=f"worker-{index}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+        sweeper = threading.Thread(target=self._sweep_loop, name="recovery-sweep", daemon=True)
+        sweeper.start()
+        self._threads.append(sweeper)
+        self.state.ready = True
+        log.info("worker started", extra={"worker_id": self.worker_id, "concurrency": self.concurrency})
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop claiming; let running turns finish within the grace period, then release them."""
+        grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        self.state.draining = True
+        self.state.ready = False
+        self._stop_claiming.set()
+        deadline = time.monotonic() + grace
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._in_flight_lock:
+            leftovers = list(self._in_flight.values())
+        for flight in leftovers:
+            self._hand_back(flight)
+        self._stopped.set()
+        for thread in self._threads:
+            thread.join(timeout=1.0)
+        log.info("worker stopped", extra={"worker_id": self.worker_id, "released": len(leftovers)})
+
+    def _hand_back(self, flight: _InFlight) -> None:
+        """Shutdown past the grace period: release the lease and delivery so another worker takes over now."""
+        if flight.guard is not None:
+            flight.guard.revoke("released at shutdown")
+        if flight.lease is not None:
+            with contextlib.suppress(DispatchError):
+                self.store.defer(flight.guard.lease if flight.guard else flight.lease)
+        with contextlib.suppress(DispatchError):
+            self.transport.release(flight.delivery.receipt, delay_s=0)
+
+    # --- loops ---------------------------------------------------------------------------------
+
+    def _claim_loop(self, owner: str) -> None:
+        while not self._stop_claiming.is_set():
+            self.state.last_loop_at = time.time()
+            m.HEARTBEAT.set(self.state.last_loop_at)
+            try:
+                started = time.perf_counter()
+                deliveries = self.transport.claim(owner, max_items=1, wait_s=1.0)
+                if deliveries:
+                    m.CLAIM_SECONDS.observe(time.perf_counter() - started)
+            except Exception:
+                log.warning("transport claim failed; backing off", exc_info=True)
+                self._stop_claiming.wait(1.0)
+                continue
+            for delivery in deliveries:
+                if self._stop_claiming.is_set():
+                    with contextlib.suppress(DispatchError):
+                        self.transport.release(delivery.receipt, delay_s=0)
+                    continue
+                self._handle_safely(owner, delivery)
+
+    def _sweep_loop(self) -> None:
+        interval = self.settings.sweep_interval_s
+        while not self._stopped.wait(interval):
+            try:
+                if not self.store.try_lead("recovery-sweep"):
+                    continue
+                for item in self.store.expire():
+                    m.TURNS.labels("expired").inc()
+                    log.info("deadline expired", extra={"job_id": item.id})
+                if self.redrive is not None:
+                    self.redrive()
+                with contextlib.suppress(DispatchError):
+                    m.QUEUE_DEPTH.set(self.transport.depth())
+            except Exception:
+                log.warning("recovery sweep failed", exc_info=True)
+
+    # --- one delivery --------------------------------------------------------------------------
+
+    def _handle_safely(self, owner: str, delivery: Delivery) -> None:
+        key = delivery.receipt.token
+        flight = _InFlight(delivery)
+        with self._in_flight_lock:
+            self._in_flight[key] = flight
+        m.IN_FLIGHT.inc()
+        try:
+            self.handle(owner, delivery, flight)
+        except Exception:
+            # Never crash the loop on one turn; leave the delivery for redelivery.
+            log.exception(
+                "unexpected error handling a delivery", extra={"work_item_id": delivery.work_item_id}
+            )
+            with contextlib.suppress(Exception):
+                self.transport.release(delivery.receipt, delay_s=BUSY_DELAY_S)
+        finally:
+            m.IN_FLIGHT.dec()
+            with self._in_flight_lock:
+                self._in_flight.pop(key, None)
+
+    def handle(self, owner: str, delivery: Delivery, flight: _InFlight | None = None) -> str:
+        """Process one delivery; returns what happened (for tests and logs)."""
+        flight = flight or _InFlight(delivery)
+        try:
+            envelope = open_envelope(delivery.wire, self.signing_key)
+            item = self.store.get(envelope.job_id)
+            if item.tenant != envelope.tenant:
+                raise PoisonEnvelope("envelope tenant does not own its WorkItem")
+        except (PoisonEnvelope, NotFound) as exc:
+            return self._poison(delivery, str(exc))
+
+        if item.terminal or item.state is WorkState.SUBMITTED:
+            # Settled already (a duplicate delivery), or waiting on dependencies: the store
+            # re-drives it when it becomes ready, so this delivery carries nothing.
+            self._ack(delivery)
+            return f"skipped-{item.state.value}"
+        if envelope.expired(self.store.now()):
+            return self._expire(delivery, item)
+        if item.not_before is not None and item.state is WorkState.READY:
+            wait = (item.not_before - self.store.now()).total_seconds()
+            if wait > 0:
+                self._release(delivery, wait)
+                return "not-yet-due"
+
+        try:
+            lease = self.store.claim(owner, work_item_id=item.id, ttl_s=self.settings.claim_ttl_s)
+        except LeaseHeld:
+            self._release(delivery, BUSY_DELAY_S)
+            return "busy"
+        except InvalidTransition:
+            self._ack(delivery)
+            return "skipped"
+        if lease is None:  # attempts spent: the store dead-lettered it
+            m.TURNS.labels("dead_letter").inc()
+            self._ack(delivery)
+            return "dead_letter"
+        flight.lease = lease
+        try:
+            with session_execution_guard(
+                item.session_id, timeout_s=self.settings.claim_ttl_s / 2, connect=self.session_connect
+            ):
+                return self._run(delivery, envelope, lease, flight)
+        except LeaseHeld:
+            # The session is busy elsewhere: hand the lease back without spending an attempt.
+            with contextlib.suppress(LeaseLost):
+                self.store.defer(flight.lease or lease)
+            self._release(delivery, BUSY_DELAY_S)
+            return "session-busy"
+
+    def _run(self, delivery: Delivery, envelope: AgentTurnEnvelope, lease: Lease, flight: _InFlight) -> str:
+        try:
+            lease = self.store.mark_running(lease)
+            flight.lease = lease
+            payload = self.store.get_payload(envelope.job_id, tenant=envelope.tenant)
+            guard = WorkItemLeaseGuard(
+                self.store,
+                lease,
+                ttl_s=self.settings.claim_ttl_s,
+                interval_s=self.settings.effective_renew_interval_s,
+                on_renew=m.LEASE_RENEWALS.inc,
+            )
+            flight.guard = guard
+            failure: TurnFailed | None = None
+            started = time.perf_counter()
+            with guard:
+                try:
+                    self.executor(envelope, payload, guard, log)
+                except LeaseLost:
+                    raise
+                except TurnFailed as exc:
+                    failure = exc
+                except Exception as exc:
+                    failure = TurnFailed(f"{type(exc).__name__}: {exc}", retryable=True)
+            m.EXECUTE_SECONDS.observe(time.perf_counter() - started)
+            return self._commit(delivery, guard.lease, failure)
+        except LeaseLost as exc:
+            return self._lease_lost(delivery, exc)
+
+    def _commit(self, delivery: Delivery, lease: Lease, failure: TurnFailed | None) -> str:
+        started = time.perf_counter()
+        if failure is None:
+            self.store.commit(lease, Outcome.SUCCEEDED)
+            outcome = "succeeded"
+        elif failure.retryable:
+            item = self.store.retry(lease, error=str(failure))
+            if item.state is WorkState.DEAD_LETTER:
+                outcome = "dead_letter"
+            else:
+                # The same delivery comes back when the backoff is over; the store is the authority.
+                m.TURNS.labels("retried").inc()
+                delay = (item.not_before - self.store.now()).total_seconds() if item.not_before else 0.0
+                self._release(delivery, max(delay, 0.0))
+                return "retried"
+        else:
+            self.store.commit(lease, Outcome.FAILED, error=str(failure))
+            outcome = "failed"
+        self._ack(delivery)
+        m.COMMIT_SECONDS.observe(time.perf_counter() - started)
+        m.TURNS.labels(outcome).inc()
+        return outcome
+
+    def _lease_lost(self, delivery: Delivery, exc: LeaseLost) -> str:
+        reason = (
+            "cancelled"
+            if isinstance(exc, Cancelled)
+            else "expired"
+            if isinstance(exc, LeaseExpired)
+            else "fenced"
+        )
+        m.LEASE_FAILURES.labels(reason).inc()
+        log.warning("lease lost", extra={"work_item_id": delivery.work_item_id, "reason": reason})
+        if isinstance(exc, Cancelled):
+            # Cancellation is terminal in the authority: this delivery has nothing left to do.
+            m.TURNS.labels("cancelled").inc()
+            self._ack(delivery)
+            return "cancelled"
+        # Fenced or expired: never acknowledge; the delivery comes back and the authority decides.
+        m.TURNS.labels("fenced").inc()
+        self._release(delivery, BUSY_DELAY_S)
+        return "fenced"
+
+    def _expire(self, delivery: Delivery, item: WorkItem) -> str:
+        with contextlib.suppress(InvalidTransition):
+            self.store.cancel(item.id, tenant=item.tenant, reason="deadline expired")
+        m.TURNS.labels("expired").inc()
+        self._ack(delivery)
+        return "expired"
+
+    def _poison(self, delivery: Delivery, reason: str) -> str:
+        # A poison envelope never touches a WorkItem (a forgery could name a real one): it is
+        # recorded and acknowledged, and the worker carries on.
+        m.TURNS.labels("poison").inc()
+        log.error(
+            "poison envelope dead-lettered",
+            extra={
+                "reason": reason,
+                "claimed_job_id": peek_job_id(delivery.wire),
+                "size": len(delivery.wire),
+            },
+        )
+        self._ack(delivery)
+        return "poison"
+
+    def _ack(self, delivery: Delivery) -> None:
+        try:
+            self.transport.ack(delivery.receipt)
+        except Fenced:
+            # Our visibility claim was reassigned; the newer delivery settles against the authority.
+            log.info(
+                "stale receipt; delivery already reassigned", extra={"work_item_id": delivery.work_item_id}
+            )
+
+    def _release(self, delivery: Delivery, delay_s: float) -> None:
+        with contextlib.suppress(Fenced):
+            self.transport.release(delivery.receipt, delay_s=delay_s)
