@@ -8,6 +8,7 @@ the one that arrived first. The reference below is that sentence, written plainl
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import uuid
@@ -193,7 +194,7 @@ def test_a_small_tenant_is_not_starved_by_a_large_one(transport: PostgresTranspo
             break
     assert len(positions) == len(small), f"only {len(positions)} of B's turns were claimed"
     assert positions[0] <= bound, positions
-    gaps = [b - a for a, b in zip(positions, positions[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(positions)]
     assert max(gaps) <= bound, positions
     assert positions[-1] <= bound * len(small), positions
 
