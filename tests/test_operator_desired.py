@@ -655,3 +655,32 @@ def test_cleanup_deletes_the_children() -> None:
     changes = _reconcile.cleanup(body(kafka_only_spec()), cluster)
     assert {c.kind for c in changes} == {"Deployment", "Service"}
     assert cluster.objects == {}
+
+
+# --- the entry point ------------------------------------------------------------------------------
+
+
+def test_operator_scope_defaults_to_all_namespaces() -> None:
+    from agent_dispatch.operator._run import scope_of
+
+    assert scope_of([], False) == (True, [])
+    assert scope_of(["team-a", "team-b"], False) == (False, ["team-a", "team-b"])
+    assert scope_of([], True) == (True, [])
+
+
+def test_operator_exits_2_on_an_invalid_setting() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "AGENT_DISPATCH_CLAIM_TTL_S": "999"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "agent_dispatch.cli", "operator", "-n", "x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "AGENT_DISPATCH_CLAIM_TTL_S" in proc.stderr

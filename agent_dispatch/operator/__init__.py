@@ -16,6 +16,7 @@ from agent_dispatch.operator._desired import (
     service,
     worker_env,
 )
+from agent_dispatch.operator._hooks import run_migrations
 from agent_dispatch.operator._reconcile import Outcome, cleanup, reconcile, refresh
 from agent_dispatch.operator._spec import DispatchSpec, parse
 from agent_dispatch.operator._status import Workers, conditions, doctor_report, fold_leases
@@ -37,6 +38,7 @@ __all__ = [
     "parse",
     "reconcile",
     "refresh",
+    "run_migrations",
     "scaled_object",
     "service",
     "validate",

@@ -7,10 +7,7 @@ variable stops the operator with exit code 2 like every other entry point.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import threading
 from collections.abc import Sequence
-from typing import Any
 
 import kopf
 
@@ -46,53 +43,3 @@ def main(args: argparse.Namespace) -> int:
         memo=kopf.Memo(),
     )
     return 0
-
-
-class OperatorThread(threading.Thread):
-    """The operator in a background thread with its own event loop and a stop flag (for embedding
-    and tests; production runs :func:`main` in its own process)."""
-
-    def __init__(self, namespaces: Sequence[str], memo: Any | None = None) -> None:
-        super().__init__(name="agent-dispatch-operator", daemon=True)
-        self._namespaces = list(namespaces)
-        self._memo = memo if memo is not None else kopf.Memo()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self.ready = threading.Event()
-
-    def run(self) -> None:
-        from agent_dispatch.operator.handlers import REGISTRY
-
-        self._loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self._loop)
-        self._stop = asyncio.Event()
-        ready = asyncio.Event()
-
-        async def _watch_ready() -> None:
-            await ready.wait()
-            self.ready.set()
-
-        async def _main() -> None:
-            watcher = asyncio.create_task(_watch_ready())
-            try:
-                await kopf.operator(
-                    registry=REGISTRY,
-                    standalone=True,
-                    clusterwide=not self._namespaces,
-                    namespaces=self._namespaces,
-                    memo=self._memo,
-                    stop_flag=self._stop,
-                    ready_flag=ready,
-                )
-            finally:
-                watcher.cancel()
-
-        try:
-            self._loop.run_until_complete(_main())
-        finally:
-            self._loop.close()
-
-    def stop(self, timeout: float = 30) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self.join(timeout)
