@@ -35,6 +35,7 @@ from agent_dispatch.stores._common import (
     DEPENDENCY_FAILED,
     Event,
     Limits,
+    Prepared,
     check_named_claim,
     check_owner,
     dependency_reason,
@@ -165,57 +166,61 @@ class EngineStore(ABC):
     def submit(self, request: SubmitRequest) -> SubmitResult:
         prepared = prepare_submit(request, self.limits)
         with self._write() as tx:
-            existing = tx.load(prepared.id)
-            if existing is None and prepared.idempotency_key is not None:
-                existing = tx.load_by_key(prepared.tenant, prepared.idempotency_key)
-            if existing is not None:
-                conflict = idempotency_conflict(existing.record(), prepared)
-                if conflict is not None:
-                    raise conflict
-                return SubmitResult(make_item(existing.record()), created=False)
-            deps: list[Row] = []
-            for dep_id in prepared.depends_on:
-                dep = tx.load(dep_id)
-                if dep is None or dep.tenant != prepared.tenant:
-                    raise NotFound(f"dependency {dep_id} not found")
-                deps.append(dep)
-            pending = sum(dep.state is not WorkState.SUCCEEDED for dep in deps)
-            row = Row(
-                id=prepared.id,
-                tenant=prepared.tenant,
-                kind=prepared.kind,
-                queue=prepared.queue,
-                session_id=prepared.session_id,
-                state=WorkState.SUBMITTED if pending else WorkState.READY,
-                priority=prepared.priority,
-                deadline=to_ts(prepared.deadline),
-                attempt=0,
-                max_attempts=prepared.max_attempts,
-                lease_epoch=0,
-                fencing_token=0,
-                lease_owner=None,
-                lease_expires_at=None,
-                not_before=None,
-                idempotency_key=prepared.idempotency_key,
-                depends_on=prepared.depends_on,
-                created_at=tx.now,
-                updated_at=tx.now,
-                fairness_group=prepared.fairness_group,
-                outcome=None,
-                error=None,
-                payload_size=len(prepared.payload),
-                payload_digest=prepared.digest,
-                commit_token=None,
-                pending_deps=pending,
-                last_dispatched_at=None,
-            )
-            tx.insert(row, prepared.payload)
-            tx.link(row.id, prepared.depends_on)
-            self._event(tx, row, Event.SUBMIT)
-            dead = next((dep for dep in deps if dep.state in DEPENDENCY_FAILED), None)
-            if dead is not None:
-                self._cancel_row(tx, row, dependency_reason(dead.id, dead.state), Event.CANCEL)
-            return SubmitResult(make_item(row.record()), created=True)
+            return self._submit_tx(tx, prepared)
+
+    def _submit_tx(self, tx: Tx, prepared: Prepared) -> SubmitResult:
+        # The whole submit inside the caller's write transaction (also used by submit_in_transaction).
+        existing = tx.load(prepared.id)
+        if existing is None and prepared.idempotency_key is not None:
+            existing = tx.load_by_key(prepared.tenant, prepared.idempotency_key)
+        if existing is not None:
+            conflict = idempotency_conflict(existing.record(), prepared)
+            if conflict is not None:
+                raise conflict
+            return SubmitResult(make_item(existing.record()), created=False)
+        deps: list[Row] = []
+        for dep_id in prepared.depends_on:
+            dep = tx.load(dep_id)
+            if dep is None or dep.tenant != prepared.tenant:
+                raise NotFound(f"dependency {dep_id} not found")
+            deps.append(dep)
+        pending = sum(dep.state is not WorkState.SUCCEEDED for dep in deps)
+        row = Row(
+            id=prepared.id,
+            tenant=prepared.tenant,
+            kind=prepared.kind,
+            queue=prepared.queue,
+            session_id=prepared.session_id,
+            state=WorkState.SUBMITTED if pending else WorkState.READY,
+            priority=prepared.priority,
+            deadline=to_ts(prepared.deadline),
+            attempt=0,
+            max_attempts=prepared.max_attempts,
+            lease_epoch=0,
+            fencing_token=0,
+            lease_owner=None,
+            lease_expires_at=None,
+            not_before=None,
+            idempotency_key=prepared.idempotency_key,
+            depends_on=prepared.depends_on,
+            created_at=tx.now,
+            updated_at=tx.now,
+            fairness_group=prepared.fairness_group,
+            outcome=None,
+            error=None,
+            payload_size=len(prepared.payload),
+            payload_digest=prepared.digest,
+            commit_token=None,
+            pending_deps=pending,
+            last_dispatched_at=None,
+        )
+        tx.insert(row, prepared.payload)
+        tx.link(row.id, prepared.depends_on)
+        self._event(tx, row, Event.SUBMIT)
+        dead = next((dep for dep in deps if dep.state in DEPENDENCY_FAILED), None)
+        if dead is not None:
+            self._cancel_row(tx, row, dependency_reason(dead.id, dead.state), Event.CANCEL)
+        return SubmitResult(make_item(row.record()), created=True)
 
     # --- reads -----------------------------------------------------------------------------------
 

@@ -706,6 +706,32 @@ class PostgresStore:
             conn.execute(INSERT_DEPENDENCIES, {"deps": list(prepared.depends_on), "id": prepared.id})
         return SubmitResult(make_item(rec), created=True)
 
+    # --- one transaction with the queue (the enqueue path, agent_dispatch.dispatch) --------------------------
+
+    @property
+    def database_identity(self) -> str:
+        """Which database this store writes; the enqueue path compares it with the transport's."""
+        return self._dsn
+
+    def submit_in_transaction(
+        self, request: SubmitRequest, then: Callable[[Conn, WorkItem], None]
+    ) -> SubmitResult:
+        """``submit``, then ``then(conn, item)`` for a newly created item in the SAME transaction.
+
+        The queue in the same database admits the item's envelope there: if ``then`` raises, the
+        WorkItem is rolled back with it, so a refused admission leaves no orphan. A deadlock
+        victim is retried whole, ``then`` included.
+        """
+        prepared = prepare_submit(request, self.limits)
+
+        def run(conn: Conn) -> SubmitResult:
+            result = self._submit(conn, prepared)
+            if result.created:
+                then(conn, result.item)
+            return result
+
+        return self._run(run)
+
     # --- claim -----------------------------------------------------------------------------------------------
 
     def claim(

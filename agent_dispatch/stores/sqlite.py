@@ -18,17 +18,24 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
 
 from agent_dispatch.errors import BackendUnavailable, SchemaOutdated
-from agent_dispatch.models import Outcome, OutcomeRecord, WorkState
+from agent_dispatch.models import Outcome, OutcomeRecord, SubmitRequest, SubmitResult, WorkItem, WorkState
 from agent_dispatch.settings import Settings
 from agent_dispatch.settings import load as load_settings
 from agent_dispatch.store import SCHEMA_VERSION
-from agent_dispatch.stores._common import COMPONENT, MIGRATE_HINT, OUTCOME_SELECT, Limits, to_dt
+from agent_dispatch.stores._common import (
+    COMPONENT,
+    MIGRATE_HINT,
+    OUTCOME_SELECT,
+    Limits,
+    prepare_submit,
+    to_dt,
+)
 from agent_dispatch.stores._engine import ROW_FIELDS, EngineStore, Row
 
 T: Final = "agent_dispatch_work_items"
@@ -387,6 +394,28 @@ class SqliteStore(EngineStore):
         conn.execute("COMMIT")
         self._schema_ok = current >= SCHEMA_VERSION
         return current
+
+    # --- one transaction with the queue (the enqueue path, agent_dispatch.dispatch) ----------------------
+
+    @property
+    def database_identity(self) -> str:
+        """Which database file this store writes; the enqueue path compares it with the transport's."""
+        return f"sqlite:{self.path.resolve()}"
+
+    def submit_in_transaction(
+        self, request: SubmitRequest, then: Callable[[sqlite3.Connection, WorkItem], None]
+    ) -> SubmitResult:
+        """``submit``, then ``then(conn, item)`` for a newly created item in the SAME transaction.
+
+        The queue in the same file admits the item's envelope there: if ``then`` raises, the
+        WorkItem is rolled back with it, so a refused admission leaves no orphan.
+        """
+        prepared = prepare_submit(request, self.limits)
+        with self._write() as tx:
+            result = self._submit_tx(tx, prepared)
+            if result.created:
+                then(tx.conn, result.item)
+            return result
 
     # --- leader election ---------------------------------------------------------------------------------
 
