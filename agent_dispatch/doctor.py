@@ -12,11 +12,14 @@ import getpass
 import os
 import re
 import socket
-from collections.abc import Callable, Iterable
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
-from agent_dispatch.settings import RTO_S, Settings
+from agent_dispatch.settings import RTO_S, Backend, Settings
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -103,11 +106,7 @@ def signing_key(settings: Settings) -> Check:
 
 def run(settings: Settings, probes: Iterable[Probe] = ()) -> list[Check]:
     checks = [settings_report(settings), lease_recovery(settings), signing_key(settings)]
-    for probe in probes:
-        try:
-            checks.extend(probe(settings))
-        except Exception as exc:  # a probe that breaks is itself a finding, never a crash
-            checks.append(Check(getattr(probe, "__name__", "probe"), "fail", f"{type(exc).__name__}: {exc}"))
+    checks.extend(run_probes(settings, tuple(probes)))
     return [redact_check(check, settings) for check in checks]
 
 
@@ -130,7 +129,34 @@ def _sensitive_words(settings: Settings | None) -> set[str]:
     words.update({os.environ.get("USER", ""), os.environ.get("LOGNAME", "")})
     if settings is not None and settings.kafka_bootstrap_servers:
         words.update(item.rsplit(":", 1)[0].strip() for item in settings.kafka_bootstrap_servers.split(","))
+    if settings is not None and settings.state_db_uri is not None:
+        words.update(_uri_words(settings.state_db_uri.get_secret_value()))
+    if settings is not None:
+        # Paths are caught by shape too; these also catch them quoted or relative.
+        for path in (settings.data_dir, settings.tokens_file, settings.kubeconfig):
+            if path is not None:
+                words.update({str(path), str(path.expanduser())})
     return {w for w in words if w and len(w) > 1}
+
+
+_PRODUCT_WORDS: Final = frozenset({*(b.value for b in Backend), "postgresql", "localhost"})
+
+
+def _uri_words(uri: str) -> set[str]:
+    """User, hosts and database of a connection URI: drivers echo them without the URI's shape."""
+    try:
+        parts = urllib.parse.urlsplit(uri)
+    except ValueError:
+        return set()
+    user, _, hosts = parts.netloc.rpartition("@")
+    words = {user.split(":", 1)[0]}
+    words.update(h.rsplit(":", 1)[0].strip("[]") for h in hosts.split(","))
+    for key, values in urllib.parse.parse_qs(parts.query).items():
+        if key in {"host", "user", "hostaddr"}:
+            words.update(values)
+    # A stock role named like the product ("postgres") identifies nobody; redacting it would
+    # garble every line that names the backend.
+    return words - _PRODUCT_WORDS
 
 
 def redact(text: str, settings: Settings | None = None) -> str:
@@ -157,3 +183,174 @@ def redact_check(check: Check, settings: Settings | None = None) -> Check:
     return Check(
         check.name, check.status, redact(check.detail, settings), _redact_value(check.data, settings)
     )
+
+
+# --- live probes ------------------------------------------------------------------------------
+#
+# Each probe opens what the settings name, looks, and closes it again. They run concurrently
+# under one deadline, so an unreachable broker or database makes the doctor slow by at most
+# PROBE_TIMEOUT_S, never hang. Their text goes through the same redaction as everything else.
+
+PROBE_TIMEOUT_S: Final = 15.0
+
+
+def _sqlite_missing(settings: Settings) -> Check | None:
+    # The doctor looks; it never creates the local database as a side effect of looking.
+    if (
+        settings.backend is Backend.SQLITE
+        and settings.state_db_uri is None
+        and not settings.sqlite_path.exists()
+    ):
+        return Check(
+            "transport",
+            "warn",
+            "the local SQLite database does not exist yet; `agent-dispatch migrate` or `agent-dispatch up` creates it",
+            {"backend": "sqlite"},
+        )
+    return None
+
+
+def transport_probe(settings: Settings) -> Iterable[Check]:
+    """Reachability, queue depth against the bound, and (Kafka) the topic's partitions."""
+    from agent_dispatch import transports
+    from agent_dispatch.errors import DepthUnavailable
+
+    missing = _sqlite_missing(settings)
+    if missing is not None:
+        return [missing]
+    backend = settings.backend.value
+    transport = transports.open_transport(settings)
+    try:
+        try:
+            depth = transport.depth()
+        except DepthUnavailable as exc:
+            return [Check("transport", "fail", f"{backend} reachable, but the depth probe failed: {exc}")]
+    finally:
+        transport.close()
+    partitions = _kafka_partitions(settings) if settings.backend is Backend.KAFKA else settings.partitions
+    data: dict[str, Any] = {
+        "backend": backend,
+        "depth": depth,
+        "max_depth": settings.max_depth,
+        "utilisation": round(depth / settings.max_depth, 4),
+        "partitions": partitions,
+    }
+    detail = f"{backend} reachable; depth {depth} of {settings.max_depth}"
+    if settings.backend is Backend.KAFKA:
+        detail += f"; topic has {partitions} partitions (configured {settings.partitions})"
+    status: Status = "warn" if depth >= settings.max_depth else "ok"
+    if status == "warn":
+        detail += "; the queue is full: new turns are refused (429)"
+    return [Check("transport", status, detail, data)]
+
+
+def _kafka_partitions(settings: Settings) -> int | None:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": settings.kafka_bootstrap_servers or ""})
+    metadata = admin.list_topics(topic=settings.kafka_topic, timeout=PROBE_TIMEOUT_S / 2)
+    topic = metadata.topics.get(settings.kafka_topic)
+    if topic is None or topic.error is not None:
+        return None
+    return len(topic.partitions)
+
+
+def schema_probe(settings: Settings) -> Iterable[Check]:
+    """The WorkItem schema is at the version this code needs (else: run `agent-dispatch migrate`)."""
+    from agent_dispatch import stores
+    from agent_dispatch.errors import SchemaOutdated
+    from agent_dispatch.store import SCHEMA_VERSION
+
+    if settings.state_db_uri is None and not settings.sqlite_path.exists():
+        return [Check("schema", "warn", "no local database yet; `agent-dispatch migrate` creates it")]
+    store = stores.open_store(settings)
+    try:
+        # Any read checks the schema version first; a tenant nobody has keeps it O(1).
+        store.list_items(tenant="doctor.schema-probe", limit=1)
+    except SchemaOutdated as exc:
+        return [Check("schema", "fail", str(exc), {"required": SCHEMA_VERSION})]
+    finally:
+        store.close()
+    return [Check("schema", "ok", f"current (version {SCHEMA_VERSION})", {"version": SCHEMA_VERSION})]
+
+
+def heartbeat_probe(settings: Settings) -> Iterable[Check]:
+    """Worker heartbeats from their coordination.k8s.io Leases, when this process can see the cluster."""
+    from agent_dispatch import k8s_names
+    from agent_dispatch.worker._heartbeat import kube_api_client
+
+    if not (settings.instance and settings.namespace):
+        return [
+            Check(
+                "worker_heartbeats",
+                "ok",
+                "not visible here (set AGENT_DISPATCH_INSTANCE and AGENT_DISPATCH_NAMESPACE in a cluster)",
+            )
+        ]
+    api_client = kube_api_client(settings)
+    if api_client is None:
+        return [Check("worker_heartbeats", "ok", "not visible here (no Kubernetes credentials)")]
+    from datetime import UTC, datetime
+
+    from kubernetes import client
+
+    leases = client.CoordinationV1Api(api_client).list_namespaced_lease(
+        settings.namespace,
+        label_selector=k8s_names.worker_lease_selector(settings.instance),
+        _request_timeout=PROBE_TIMEOUT_S / 2,
+    )
+    now = datetime.now(UTC)
+    live = stale = 0
+    for lease in leases.items:
+        spec = lease.spec
+        renewed = spec.renew_time if spec is not None else None
+        duration = (spec.lease_duration_seconds if spec is not None else None) or 0
+        if renewed is not None and (now - renewed).total_seconds() <= duration:
+            live += 1
+        else:
+            stale += 1
+    data = {"live": live, "stale": stale}
+    if live == 0:
+        return [Check("worker_heartbeats", "warn", f"no live workers ({stale} stale)", data)]
+    return [Check("worker_heartbeats", "ok", f"{live} live workers, {stale} stale", data)]
+
+
+#: What ``agent-dispatch doctor`` runs besides the static checks.
+LIVE_PROBES: Final[tuple[Probe, ...]] = (transport_probe, schema_probe, heartbeat_probe)
+
+
+def run_probes(
+    settings: Settings, probes: Sequence[Probe], timeout_s: float = PROBE_TIMEOUT_S
+) -> list[Check]:
+    """Run probes concurrently; one that fails or overruns the deadline becomes a failed check."""
+    results: dict[int, list[Check]] = {}
+
+    def attempt(index: int, probe: Probe) -> None:
+        try:
+            results[index] = list(probe(settings))
+        except Exception as exc:  # a probe that breaks is itself a finding, never a crash
+            results[index] = [Check(_probe_name(probe), "fail", f"{type(exc).__name__}: {exc}")]
+
+    # Daemon threads, not a pool: a probe stuck in a driver must not keep the process alive.
+    threads = [
+        threading.Thread(target=attempt, args=(i, p), name="doctor-probe", daemon=True)
+        for i, p in enumerate(probes)
+    ]
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    checks: list[Check] = []
+    for index, probe in enumerate(probes):
+        found = results.get(index)
+        checks.extend(
+            found
+            if found is not None
+            else [Check(_probe_name(probe), "fail", f"no answer within {timeout_s:g}s")]
+        )
+    return checks
+
+
+def _probe_name(probe: Probe) -> str:
+    return getattr(probe, "__name__", "probe").removesuffix("_probe")

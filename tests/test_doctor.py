@@ -8,13 +8,17 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from agent_dispatch import doctor
 from agent_dispatch.settings import load
+from testenv.postgres import PostgresServer
 
-BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "TASK_QUEUE", "STATE_DB", "KAFKA_"))}
+BASE_ENV = {
+    k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "TASK_QUEUE", "STATE_DB", "KAFKA_"))
+}
 
 
 def run_doctor(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -94,3 +98,80 @@ def test_redact_scrubs_free_text() -> None:
     for needle in ["bob", "db.internal", host, "/home", "kafka-1.internal"]:
         assert needle not in cleaned
     assert "postgresql://<redacted>" in cleaned
+
+
+# --- live probes -----------------------------------------------------------------------------
+
+
+def _checks(proc: subprocess.CompletedProcess[str]) -> dict[str, dict[str, object]]:
+    return {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+
+
+def test_doctor_probes_a_local_install_and_hides_its_paths(tmp_path: Path) -> None:
+    data_dir = tmp_path / "secret-data-dir-4711"
+    env = {
+        "AGENT_DISPATCH_DATA_DIR": str(data_dir),
+        "AGENT_DISPATCH_SIGNING_KEY": "k" * 40,
+        "AGENT_DISPATCH_TOKENS_FILE": str(tmp_path / "secret-tokens-dir" / "tokens.yaml"),
+        "KUBECONFIG": str(tmp_path / "secret-kube-home" / "config"),
+    }
+    before = run_doctor(env, "--json")
+    assert _checks(before)["transport"]["status"] == "warn"  # nothing created by looking
+    assert not data_dir.exists()
+
+    migrate = subprocess.run(
+        [sys.executable, "-m", "agent_dispatch.cli", "migrate"],
+        env={**BASE_ENV, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert migrate.returncode == 0, migrate.stderr
+    proc = run_doctor(env, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checks = _checks(proc)
+    assert checks["transport"]["status"] == "ok"
+    assert checks["transport"]["data"] == {
+        "backend": "sqlite",
+        "depth": 0,
+        "max_depth": 100_000,
+        "utilisation": 0.0,
+        "partitions": 6,
+    }
+    assert checks["schema"]["status"] == "ok" and "current" in str(checks["schema"]["detail"])
+    assert checks["signing_key"]["status"] == "ok"
+    assert checks["worker_heartbeats"]["status"] == "ok"
+    human = run_doctor(env)
+    for out in (proc.stdout + proc.stderr, human.stdout + human.stderr):
+        for needle in [str(tmp_path), "secret-data-dir-4711", "secret-tokens-dir", "secret-kube-home"]:
+            assert needle not in out, needle
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("fmt", [(), ("--json",)])
+def test_doctor_against_a_real_postgres_hides_user_host_and_paths(
+    postgres_server: PostgresServer, tmp_path: Path, fmt: tuple[str, ...]
+) -> None:
+    # A reachable server and a role that does not exist: the server's error names the role,
+    # the driver's log names the host; neither may reach the output.
+    host = socket.gethostname()
+    env = {
+        "STATE_DB_URI": f"postgresql://doctor-secret-role@{host}:{postgres_server.port}/secret_db_name",
+        "TASK_QUEUE_BACKEND": "postgres",
+        "AGENT_DISPATCH_SIGNING_KEY": "k" * 40,
+        "AGENT_DISPATCH_DATA_DIR": str(tmp_path / "secret-pg-data"),
+    }
+    proc = run_doctor(env, *fmt)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out  # the store and transport cannot be used: a failure found
+    assert "<redacted>" in out
+    for needle in [
+        "doctor-secret-role",
+        f"{host}:",
+        f"'{host}'",
+        f'"{host}"',
+        "secret-pg-data",
+        str(tmp_path),
+    ]:
+        assert needle not in out, needle

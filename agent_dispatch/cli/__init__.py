@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from agent_dispatch import settings as settings_module
+from agent_dispatch.cli import _gateway, _jobs, _submit, _up
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -62,13 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(handler=_doctor)
 
     for name, help_text in [
-        ("up", "run a gateway and workers locally on SQLite (no servers needed)"),
-        ("submit", "submit an agent turn"),
-        ("jobs", "show, list, watch or cancel jobs"),
         ("worker", "run a worker (same as agent-dispatch-worker)"),
-        ("gateway", "run the HTTP gateway"),
     ]:
         sub.add_parser(name, help=help_text).set_defaults(handler=_not_yet(name))
+
+    for module in (_up, _submit, _jobs, _gateway):
+        module.register(sub)
 
     sub.add_parser("migrate", help="create or upgrade the WorkItem and queue schema").set_defaults(
         handler=_migrate

@@ -1,0 +1,128 @@
+"""``agent-dispatch submit``: one turn, to a gateway (``--url``) or straight into the configured store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_target_options(parser: argparse.ArgumentParser) -> None:
+    """Where jobs live: a gateway (URL + token) or, without a URL, the configured store."""
+    parser.add_argument(
+        "--url",
+        metavar="URL",
+        help="gateway URL (default: AGENT_DISPATCH_GATEWAY_URL; unset: the store directly)",
+    )
+    parser.add_argument(
+        "--token",
+        metavar="TOKEN",
+        help="bearer token for --url (default: AGENT_DISPATCH_TOKEN; prefer the variable)",
+    )
+    parser.add_argument(
+        "--tenant",
+        default="local",
+        metavar="TENANT",
+        help="tenant when talking to the store directly (default: local; a gateway takes it from the token)",
+    )
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        "submit",
+        help="submit an agent turn",
+        description="Submit one agent turn and print its job handle as JSON. Exit 0 when accepted "
+        "(with --wait: when it succeeded), 1 when refused or the turn did not succeed, 2 for a bad "
+        "request, 3 when the gateway or store is unreachable.",
+    )
+    parser.add_argument("--kind", default="turn", help="turn kind for the executor (default: turn)")
+    parser.add_argument(
+        "--payload",
+        default="{}",
+        metavar="JSON|@FILE|-",
+        help="the payload: a JSON value, @path to read it from a file, or - for standard input (default: {})",
+    )
+    parser.add_argument(
+        "--session", dest="session_id", metavar="ID", help="session id (turns of one session run in order)"
+    )
+    parser.add_argument("--priority", type=int, default=0, help="-1000 to 1000 (default: 0)")
+    parser.add_argument("--deadline", metavar="WHEN", help="RFC 3339 timestamp, or seconds from now")
+    parser.add_argument(
+        "--depends-on",
+        action="append",
+        default=[],
+        metavar="JOB_ID",
+        help="a job that must succeed first (repeatable)",
+    )
+    parser.add_argument(
+        "--max-attempts", type=int, metavar="N", help="attempts before dead_letter (1 to 100)"
+    )
+    parser.add_argument(
+        "--idempotency-key", metavar="KEY", help="resubmitting with the same key returns the same job"
+    )
+    parser.add_argument(
+        "--wait", action="store_true", help="wait until the job finishes and print its status"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, metavar="S", help="--wait gives up after S seconds"
+    )
+    add_target_options(parser)
+    parser.set_defaults(handler=run)
+
+
+def _payload(text: str) -> Any:
+    if text == "-":
+        text = sys.stdin.read()
+    elif text.startswith("@"):
+        with open(text[1:], encoding="utf-8") as source:
+            text = source.read()
+    return json.loads(text)
+
+
+def _deadline(text: str | None) -> float | str | None:
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent_dispatch.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+    from agent_dispatch.cli._client import ClientError, open_client
+    from agent_dispatch.cli._jobs import wait_terminal
+    from agent_dispatch.settings import load_or_exit
+
+    settings = load_or_exit("agent-dispatch submit")
+    try:
+        payload = _payload(args.payload)
+    except (OSError, ValueError) as exc:
+        print(f"agent-dispatch submit: invalid --payload: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    turn: dict[str, Any] = {"kind": args.kind, "payload": payload, "priority": args.priority}
+    for key, value in {
+        "session_id": args.session_id,
+        "deadline": _deadline(args.deadline),
+        "depends_on": args.depends_on or None,
+        "max_attempts": args.max_attempts,
+    }.items():
+        if value is not None:
+            turn[key] = value
+    client = None
+    try:
+        client = open_client(settings, url=args.url, token=args.token, tenant=args.tenant)
+        handle = client.submit(turn, idempotency_key=args.idempotency_key)
+        print(json.dumps(handle, indent=2), flush=True)
+        if not args.wait:
+            return EXIT_OK
+        final = wait_terminal(client, handle["job_id"], timeout_s=args.timeout)
+        print(json.dumps(final, indent=2), flush=True)
+        return EXIT_OK if final.get("state") == "succeeded" else EXIT_FAILURE
+    except ClientError as exc:
+        print(f"agent-dispatch submit: {exc}", file=sys.stderr)
+        return exc.exit_code
+    finally:
+        if client is not None:
+            client.close()

@@ -1,0 +1,201 @@
+"""``agent-dispatch up``: the whole system on one machine, no servers (SQLite in the data directory).
+
+Gateway and workers in one process: migrates the schema, generates the signing key and a
+token for tenant ``local`` (stored hashed; the plaintext is printed once), prints a sample
+request, runs a demo turn end to end, and serves until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from typing import Any
+
+DEMO_TIMEOUT_S = 60.0
+LOCAL_TENANT = "local"
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        "up",
+        help="run a gateway and workers locally on SQLite (no servers needed)",
+        description="Run the gateway and workers on SQLite in the data directory "
+        "(AGENT_DISPATCH_DATA_DIR, default: the XDG data directory), print the URL, a token "
+        "and a sample request, run a demo turn, and serve until Ctrl-C. Exit 0 after a clean "
+        "stop, 1 when the demo turn did not succeed, 2 for bad settings, 3 when the port is taken.",
+    )
+    parser.add_argument("--host", help="listen address (default: AGENT_DISPATCH_GATEWAY_HOST, 127.0.0.1)")
+    parser.add_argument(
+        "--port", type=int, help="listen port (default: AGENT_DISPATCH_GATEWAY_PORT, 8080; 0: any free port)"
+    )
+    parser.add_argument(
+        "-c",
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help="worker threads (default: AGENT_DISPATCH_CONCURRENCY)",
+    )
+    parser.add_argument("--no-demo", action="store_true", help="do not submit the demo turn")
+    parser.set_defaults(handler=run)
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent_dispatch.settings import load_or_exit
+
+    settings = load_or_exit("agent-dispatch up")
+    from agent_dispatch import _logging, keys, stores, transports
+    from agent_dispatch.cli import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+    from agent_dispatch.gateway import (
+        Components,
+        GatewayServer,
+        TokenRegistry,
+        TokensFileError,
+        hash_token,
+        new_token,
+        wait_for_signal,
+        write_tokens_file,
+    )
+    from agent_dispatch.gateway._auth import load_tokens_file
+    from agent_dispatch.settings import Backend
+    from agent_dispatch.worker import WorkerStartupError, build_worker
+
+    if settings.backend is not Backend.SQLITE:
+        print(
+            f"agent-dispatch up: runs on SQLite only; unset TASK_QUEUE_BACKEND={settings.backend.value} "
+            "and STATE_DB_URI, or run `agent-dispatch gateway` and `agent-dispatch worker`",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.port is not None and not 0 <= args.port <= 65535:
+        print("agent-dispatch up: invalid option --port: allowed: 0 to 65535", file=sys.stderr)
+        return EXIT_USAGE
+    if args.concurrency is not None and not 1 <= args.concurrency <= 256:
+        print("agent-dispatch up: invalid option --concurrency: allowed: 1 to 256", file=sys.stderr)
+        return EXIT_USAGE
+    # Quiet by default: this is an interactive command; AGENT_DISPATCH_LOG_LEVEL turns logs up.
+    level = settings.log_level if "log_level" in settings.model_fields_set else "WARNING"
+    fmt = settings.log_format.value if "log_format" in settings.model_fields_set else "text"
+    _logging.configure(level, fmt)
+
+    data_dir = settings.data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tokens_path = settings.tokens_file or data_dir / "tokens.yaml"
+    settings = settings.model_copy(update={"tokens_file": tokens_path})
+
+    # A fresh token for `local` each run (its plaintext is shown once); other tenants are kept.
+    token = new_token()
+    try:
+        existing = load_tokens_file(tokens_path) if tokens_path.exists() else {}
+    except TokensFileError as exc:
+        print(f"agent-dispatch up: invalid setting AGENT_DISPATCH_TOKENS_FILE: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    hashes = {t: [d.hex() for d in digests] for t, digests in existing.items() if t != LOCAL_TENANT}
+    hashes[LOCAL_TENANT] = [hash_token(token)]
+    write_tokens_file(tokens_path, hashes)
+
+    signing_key = keys.signing_key(settings)
+    store = stores.open_store(settings)
+    store.migrate()
+    transport = transports.open_transport(settings)
+    components = Components(store, transport, signing_key, TokenRegistry.from_file(tokens_path))
+
+    try:
+        worker = build_worker(settings, concurrency=args.concurrency)
+    except WorkerStartupError as exc:
+        components.close()
+        print(f"agent-dispatch up: {exc}", file=sys.stderr)
+        return exc.exit_code
+    host = args.host or settings.gateway_host
+    port = settings.gateway_port if args.port is None else args.port
+    server = GatewayServer(settings, components, host=host, port=port)
+    try:
+        server.start()
+    except OSError as exc:
+        components.close()
+        worker.store.close()
+        worker.transport.close()
+        print(
+            f"agent-dispatch up: cannot listen on port {port}: {exc.strerror}; try --port 0 for any free port",
+            file=sys.stderr,
+        )
+        return EXIT_UNAVAILABLE
+    worker.start()
+
+    code = EXIT_OK
+    try:
+        _banner(server.url, token, data_dir, worker.concurrency)
+        if not args.no_demo and not _demo(server.url, token):
+            code = EXIT_FAILURE
+        _say("Serving. Press Ctrl-C to stop.")
+        wait_for_signal()
+    finally:
+        _say("Stopping: no new requests or claims; finishing running turns...")
+        server.stop()
+        worker.stop()
+        worker.transport.close()
+        worker.store.close()
+        components.close()
+        _say("Stopped.")
+    return code
+
+
+def _banner(url: str, token: str, data_dir: Any, concurrency: int) -> None:
+    body = json.dumps({"kind": "hello", "payload": {"greeting": "hi"}})
+    curl = " ".join(
+        [
+            "curl -sS -X POST",
+            shlex.quote(f"{url}/api/turns"),
+            "-H",
+            shlex.quote(f"Authorization: Bearer {token}"),
+            "-H 'Content-Type: application/json'",
+            "-d",
+            shlex.quote(body),
+        ]
+    )
+    _say(f"agent-dispatch is up: gateway + {concurrency} worker threads on SQLite")
+    _say(f"  data:    {data_dir}")
+    _say(f"  gateway: {url}")
+    _say(f"  token:   {token}")
+    _say("           (tenant 'local'; shown once, stored only as its sha256)")
+    _say("  try:")
+    _say(f"    {curl}")
+    _say(
+        f"    curl -sS -H {shlex.quote(f'Authorization: Bearer {token}')} {shlex.quote(url + '/api/graph/jobs')}"
+    )
+
+
+def _demo(url: str, token: str) -> bool:
+    """Submit one turn through the gateway, like any client would, and follow it to the end."""
+    from agent_dispatch.cli._client import ClientError, HttpClient
+
+    client = HttpClient(url, token)
+    try:
+        handle = client.submit({"kind": "demo", "payload": {"demo": True}})
+        job_id = handle["job_id"]
+        _say(f"demo turn {job_id}: {handle['state']}")
+        last = handle["state"]
+        started = time.monotonic()
+        while time.monotonic() - started < DEMO_TIMEOUT_S:
+            view = client.status(job_id)
+            if view["state"] != last:
+                last = view["state"]
+                _say(f"demo turn {job_id}: {last}")
+            if view.get("terminal") or last in {"succeeded", "failed", "cancelled", "dead_letter"}:
+                break
+            time.sleep(0.05)
+        elapsed = time.monotonic() - started
+    except ClientError as exc:
+        _say(f"demo turn could not be submitted: {exc}")
+        return False
+    if last == "succeeded":
+        _say(f"demo turn completed in {elapsed:.2f}s")
+        return True
+    _say(f"demo turn ended {last} after {elapsed:.1f}s")
+    return False

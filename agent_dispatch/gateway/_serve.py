@@ -1,0 +1,130 @@
+"""Serving the gateway: in a background thread (``up``, tests) or in the foreground (``gateway``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Final
+
+from aiohttp import web
+
+from agent_dispatch.gateway._app import create_app
+from agent_dispatch.gateway._auth import TokenRegistry
+from agent_dispatch.settings import Settings
+from agent_dispatch.store import WorkItemStore
+from agent_dispatch.transport import Transport
+
+log = logging.getLogger("agent_dispatch.gateway")
+
+#: In-flight requests get this long to finish when the gateway stops.
+SHUTDOWN_TIMEOUT_S: Final = 10.0
+START_TIMEOUT_S: Final = 30.0
+
+
+@dataclass
+class Components:
+    """What a gateway serves over; the caller that opened them closes them."""
+
+    store: WorkItemStore
+    transport: Transport
+    signing_key: bytes
+    tokens: TokenRegistry
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.transport.close()
+        with contextlib.suppress(Exception):
+            self.store.close()
+
+
+class GatewayServer:
+    """The gateway on its own event loop in a daemon thread; ``url`` is known once ``start`` returns."""
+
+    def __init__(self, settings: Settings, components: Components, *, host: str, port: int) -> None:
+        self._settings = settings
+        self._components = components
+        self._host = host
+        self._port = port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        host = self._host
+        if host in {"0.0.0.0", "::", ""}:  # noqa: S104 - the listen address, shown as a reachable one
+            host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> GatewayServer:
+        self._thread = threading.Thread(target=self._serve, name="gateway", daemon=True)
+        self._thread.start()
+        if not self._started.wait(START_TIMEOUT_S):
+            raise RuntimeError("the gateway did not start in time")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._open())
+        except BaseException as exc:
+            self._error = exc
+            self._started.set()
+            loop.close()
+            return
+        self._started.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._close())
+            loop.close()
+
+    async def _open(self) -> None:
+        c = self._components
+        app = create_app(self._settings, c.store, c.transport, c.signing_key, c.tokens)
+        # access_log off: request lines carry job ids per request; the metrics carry the counts.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        # Port 0 asks the kernel for a free port; report the one actually bound.
+        for address in self._runner.addresses:
+            if isinstance(address, tuple):
+                self.port = int(address[1])
+                break
+
+    async def _close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish (bounded), then return."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=SHUTDOWN_TIMEOUT_S + 5)
+
+
+def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM (the main thread only)."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
