@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -566,3 +573,123 @@ def test_keda_scaled_object_validates_against_kedas_crd(
     assert broken.returncode != 0 and "type" in broken.stderr
     kube.kubectl("delete", "agentdispatch", "lagged", "-n", ns, "--wait=true", "--timeout=60s")
     wait_for(lambda: scaled_object() is None, 30, what="ScaledObject deleted")
+
+
+def test_worker_heartbeat_leases_fold_into_status(
+    kube: ControlPlane,
+    kube_api: client.ApiClient,
+    kube_namespace: str,
+    operator_factory: Callable[..., OperatorProcess],
+) -> None:
+    """The worker's own Lease heartbeat (agent_dispatch.worker) against the real API server: the
+    contract between the worker and the operator, without a transport."""
+    from agent_dispatch.worker._heartbeat import LeaseHeartbeat
+
+    ns = kube_namespace
+    operator_factory(ns)
+    spec = {"backend": "sqlite", "claimTtlSeconds": 6, "renewIntervalSeconds": 2, "worker": {"image": IMAGE}}
+    kubectl_apply(kube, ns, agentdispatch("beats", spec))
+    beats = [
+        LeaseHeartbeat(kube_api, ns, "beats", worker_id, duration_s=6, interval_s=2)
+        for worker_id in ("w-1", "w-2")
+    ]
+    try:
+        for beat in beats:
+            beat.start()
+
+        def counts() -> tuple[int, int]:
+            found = ((get_ad(kube_api, ns, "beats") or {}).get("status") or {}).get("workers") or {}
+            return int(found.get("live", -1)), int(found.get("stale", -1))
+
+        wait_for(lambda: counts() == (2, 0), STATUS_WAIT_S, interval=1, what="two live workers")
+        beats[0].stop(delete=False)  # as if killed: the Lease stays, unrenewed
+        stopped_at = time.monotonic()
+        wait_for(lambda: counts() == (1, 1), 6 + 10 + 20, interval=1, what="the stopped worker stale")
+        assert time.monotonic() - stopped_at < 6 + 10 + 20
+        ad = get_ad(kube_api, ns, "beats")
+        assert ad is not None and ad["status"]["workers"]["staleIds"] == ["w-1"]
+        assert ad["status"]["workers"]["liveIds"] == ["w-2"]
+        beats[1].stop(delete=True)  # a clean shutdown removes the Lease
+        wait_for(lambda: counts() == (0, 1), STATUS_WAIT_S, interval=1, what="clean shutdown counted")
+    finally:
+        for beat in beats:
+            beat.stop(delete=True)
+    kube.kubectl("delete", "agentdispatch", "beats", "-n", ns, "--wait=true", "--timeout=60s")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("agent_dispatch.dispatch") is None,
+    reason="agent-dispatch-worker cannot start in this build yet (agent_dispatch.dispatch is not there)",
+)
+def test_real_workers_heartbeat_and_a_killed_one_turns_stale(
+    kube: ControlPlane,
+    kube_api: client.ApiClient,
+    kube_namespace: str,
+    operator_factory: Callable[..., OperatorProcess],
+    tmp_path: Path,
+) -> None:
+    """Two real ``agent-dispatch-worker`` processes publish Leases to the test API server; the
+    operator shows them live, and a SIGKILLed one stale within its TTL plus one status refresh."""
+    ns = kube_namespace
+    operator_factory(ns)
+    spec = {"backend": "sqlite", "claimTtlSeconds": 6, "renewIntervalSeconds": 2, "worker": {"image": IMAGE}}
+    kubectl_apply(kube, ns, agentdispatch("live", spec))
+    workers: list[subprocess.Popen[bytes]] = []
+    base = {
+        k: v for k, v in os.environ.items() if not k.startswith(("AGENT_DISPATCH_", "TASK_QUEUE", "STATE_DB"))
+    }
+    try:
+        for worker_id in ("w-1", "w-2"):
+            env = {
+                **base,
+                **kube.env,
+                "TASK_QUEUE_BACKEND": "sqlite",
+                "AGENT_DISPATCH_DATA_DIR": str(tmp_path / worker_id),
+                "AGENT_DISPATCH_CLAIM_TTL_S": "6",
+                "AGENT_DISPATCH_RENEW_INTERVAL_S": "2",
+                "AGENT_DISPATCH_SIGNING_KEY": "s" * 40,
+                "AGENT_DISPATCH_METRICS_PORT": "0",
+                "AGENT_DISPATCH_INSTANCE": "live",
+                "AGENT_DISPATCH_NAMESPACE": ns,
+                "AGENT_DISPATCH_WORKER_ID": worker_id,
+            }
+            log = (tmp_path / f"{worker_id}.log").open("wb")
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "agent_dispatch.cli", "worker"],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
+
+        def counts() -> tuple[int, int]:
+            found = ((get_ad(kube_api, ns, "live") or {}).get("status") or {}).get("workers") or {}
+            for proc, worker_id in zip(workers, ("w-1", "w-2"), strict=True):
+                if proc.poll() is not None and worker_id != "w-1":
+                    log_text = (tmp_path / f"{worker_id}.log").read_text(errors="replace")[-2000:]
+                    raise AssertionError(f"worker {worker_id} exited {proc.returncode}:\n{log_text}")
+            return int(found.get("live", -1)), int(found.get("stale", -1))
+
+        wait_for(lambda: counts() == (2, 0), STATUS_WAIT_S, interval=1, what="two live workers")
+        ad = get_ad(kube_api, ns, "live")
+        assert ad is not None and ad["status"]["workers"]["liveIds"] == ["w-1", "w-2"]
+        assert condition(ad, "WorkersAvailable")["status"] == "True"
+
+        workers[0].send_signal(signal.SIGKILL)
+        workers[0].wait(10)
+        killed_at = time.monotonic()
+        wait_for(lambda: counts() == (1, 1), 6 + 10 + 20, interval=1, what="the killed worker stale")
+        assert time.monotonic() - killed_at < 6 + 10 + 20
+        ad = get_ad(kube_api, ns, "live")
+        assert ad is not None and ad["status"]["workers"]["staleIds"] == ["w-1"]
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    kube.kubectl("delete", "agentdispatch", "live", "-n", ns, "--wait=true", "--timeout=60s")
