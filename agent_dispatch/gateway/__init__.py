@@ -48,8 +48,9 @@ class GatewayStartupError(RuntimeError):
 def open_components(settings: Settings, *, migrate: bool = False) -> Components:
     """Signing key, tokens, store and transport named by the settings, ready to serve.
 
-    Exit codes on failure follow the CLI: 2 for configuration, 3 for an unreachable service,
-    1 for a schema that needs ``agent-dispatch migrate``.
+    Exit codes on failure follow the CLI: 2 for configuration (including an explicitly selected
+    backend that cannot be reached), 3 for an unreachable service, 1 for a schema that needs
+    ``agent-dispatch migrate``.
     """
     from agent_dispatch import keys, stores, transports
 
@@ -69,17 +70,20 @@ def open_components(settings: Settings, *, migrate: bool = False) -> Components:
         raise GatewayStartupError(f"invalid setting AGENT_DISPATCH_TOKENS_FILE: {exc}", 2) from None
     if not tokens.tenants:
         raise GatewayStartupError("invalid setting AGENT_DISPATCH_TOKENS_FILE: lists no tenants", 2)
+    # Every entry point fails the same way: an explicitly selected backend that cannot be
+    # reached is a configuration error (2); otherwise an unreachable service is 3.
+    unreachable = 2 if settings.backend_explicit else 3
     try:
         store = stores.open_store(settings)
     except BackendUnavailable as exc:
-        raise GatewayStartupError(str(exc), 3) from None
+        raise GatewayStartupError(str(exc), unreachable) from None
     try:
         if migrate:
             store.migrate()
         transport = transports.open_transport(settings)
     except BackendUnavailable as exc:
         store.close()
-        raise GatewayStartupError(str(exc), 3) from None
+        raise GatewayStartupError(str(exc), unreachable) from None
     except SchemaOutdated as exc:
         store.close()
         raise GatewayStartupError(str(exc), 1) from None

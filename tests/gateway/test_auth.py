@@ -1,0 +1,92 @@
+"""The tokens file: formats, refusals, hashing, and reloading when a mounted Secret changes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from agent_dispatch.gateway import _auth
+from agent_dispatch.gateway._auth import TokenRegistry, TokensFileError, hash_token, load_tokens_file
+
+
+def sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def test_yaml_json_and_mapping_forms(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.yaml"
+    path.write_text(
+        f"alpha: {sha('alpha-token-0001')}\n"
+        f"beta:\n  token_sha256: {sha('beta-token-0001').upper()}\n"
+        f"gamma:\n  token_sha256: [{sha('gamma-old-00001')}, {sha('gamma-new-00001')}]\n"
+    )
+    registry = TokenRegistry.from_file(path)
+    assert registry.tenants == {"alpha", "beta", "gamma"}
+    assert registry.authenticate("alpha-token-0001") == "alpha"
+    assert registry.authenticate("beta-token-0001") == "beta"  # hex is case-insensitive
+    assert registry.authenticate("gamma-old-00001") == registry.authenticate("gamma-new-00001") == "gamma"
+    assert registry.authenticate("nobody") is None
+    assert registry.authenticate(sha("alpha-token-0001")) is None  # the hash itself is not a token
+
+    as_json = tmp_path / "tokens.json"
+    as_json.write_text(json.dumps({"alpha": {"token_sha256": sha("t-json-0000001")}}))
+    assert TokenRegistry.from_file(as_json).authenticate("t-json-0000001") == "alpha"
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("- a\n- b\n", "must map each tenant"),
+        ("alpha: plaintext-token\n", "64 hex"),
+        ("alpha: []\n", "a sha256 hex or a list"),
+        ("alpha:\n  token: abc\n", "exactly the key token_sha256"),
+        ("'bad tenant': " + "0" * 64 + "\n", "is not 1-200"),
+        ("alpha: [unclosed\n", "not valid YAML or JSON"),
+    ],
+)
+def test_refused_files_say_why_without_echoing_values(tmp_path: Path, text: str, words: str) -> None:
+    path = tmp_path / "tokens.yaml"
+    path.write_text(text)
+    with pytest.raises(TokensFileError) as info:
+        load_tokens_file(path)
+    assert words in str(info.value)
+    assert "plaintext-token" not in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(TokensFileError, match="cannot be read"):
+        load_tokens_file(tmp_path / "absent.yaml")
+
+
+def test_written_file_holds_only_hashes_and_is_private(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "tokens.yaml"
+    _auth.write_tokens_file(path, {"local": [hash_token("the-plain-token-1")]})
+    assert "the-plain-token-1" not in path.read_text()
+    assert os.stat(path).st_mode & 0o077 == 0
+    assert TokenRegistry.from_file(path).authenticate("the-plain-token-1") == "local"
+
+
+def test_reloads_a_changed_file_and_keeps_the_last_good_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_auth, "RELOAD_CHECK_S", 0.0)
+    path = tmp_path / "tokens.yaml"
+    path.write_text(f"alpha: {sha('first-token-0001')}\n")
+    registry = TokenRegistry.from_file(path)
+    assert registry.authenticate("first-token-0001") == "alpha"
+
+    # The kubelet swaps a mounted Secret atomically: a new file under the same name.
+    fresh = tmp_path / "tokens.new"
+    fresh.write_text(f"alpha: {sha('second-token-001')}\n")
+    fresh.replace(path)
+    assert registry.authenticate("second-token-001") == "alpha"
+    assert registry.authenticate("first-token-0001") is None
+
+    broken = tmp_path / "tokens.broken"
+    broken.write_text("alpha: not-a-hash\n")
+    broken.replace(path)
+    assert registry.authenticate("second-token-001") == "alpha"  # the last good tokens stay
