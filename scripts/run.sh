@@ -7,4 +7,4 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q -e .
-exec .venv/bin/agent-dispatch doctor "$@"
+exec .venv/bin/agent-dispatch up "$@"
