@@ -170,6 +170,11 @@ class PostgresTransport:
             signing_key=key,
         )
 
+    @property
+    def database_identity(self) -> str:
+        """The database, as the PostgreSQL WorkItem store names it: equal means one transaction can span both."""
+        return self.dsn
+
     # -- lifecycle -------------------------------------------------------------------------
 
     def ensure_ready(self) -> None:

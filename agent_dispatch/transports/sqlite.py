@@ -112,6 +112,11 @@ class SqliteTransport:
             visibility_timeout_s=settings.effective_visibility_timeout_s,
         )
 
+    @property
+    def database_identity(self) -> str:
+        """The file, as the SQLite WorkItem store names it: equal means one transaction can span both."""
+        return f"sqlite:{self.path.resolve()}"
+
     # -- lifecycle -------------------------------------------------------------------------
 
     def ensure_ready(self) -> None:
@@ -213,7 +218,7 @@ class SqliteTransport:
         self._ensure_ready_for(DepthUnavailable)
         try:
             row = self._connection().execute(f"SELECT depth FROM {DEPTH} WHERE singleton = 1").fetchone()
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, BackendUnavailable) as exc:
             raise DepthUnavailable(f"sqlite transport: depth probe failed ({type(exc).__name__})") from None
         if row is None:
             raise DepthUnavailable("sqlite transport: the depth counter row is missing")

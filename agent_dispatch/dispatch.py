@@ -1,0 +1,317 @@
+"""The enqueue path (what the gateway and CLI call) and the recovery sweep's transport half.
+
+``enqueue``: fail-closed depth pre-check -> submit the WorkItem -> seal its envelope -> admit it
+under the bound. When the queue and the WorkItem store share one database (PostgreSQL, or the
+SQLite file), submit and admit run in ONE transaction, so a refused admission leaves nothing
+behind. Otherwise an admission that fails after the submit cancels the WorkItem with a reason
+(no orphans) and the error propagates.
+
+``redrive``: for every WorkItem the store reports as recoverable (expired lease, or ready and
+not dispatched recently), admit its envelope again without the bound. Runs only while this
+process holds the ``recovery-sweep`` leadership.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any, Final, Protocol, runtime_checkable
+
+from pydantic import ValidationError
+
+from agent_dispatch.envelope import AgentTurnEnvelope, seal
+from agent_dispatch.errors import AdmissionRejected, DispatchError, InvalidRequest, QueueFull
+from agent_dispatch.models import SubmitRequest, SubmitResult, WorkItem, WorkState
+from agent_dispatch.settings import RTO_S, Settings
+from agent_dispatch.store import WorkItemStore, bound_error
+from agent_dispatch.transport import OutboundTurn, Transport
+
+log = logging.getLogger(__name__)
+
+RECOVERY_LEADER: Final = "recovery-sweep"
+#: Placeholder for fields the store assigns (id, default session) when pre-validating an envelope.
+_PLACEHOLDER: Final = "pending"
+
+
+@runtime_checkable
+class _SharedStore(Protocol):
+    """A store that can run the queue's admission inside its submit transaction."""
+
+    @property
+    def database_identity(self) -> str: ...
+
+    def submit_in_transaction(
+        self, request: SubmitRequest, then: Callable[[Any, WorkItem], None]
+    ) -> SubmitResult: ...
+
+
+@runtime_checkable
+class _SharedTransport(Protocol):
+    """A transport that can admit on a caller's connection, inside the caller's transaction."""
+
+    @property
+    def database_identity(self) -> str: ...
+
+    def admit_on(self, conn: Any, turns: Sequence[OutboundTurn], *, bounded: bool = True) -> int: ...
+
+
+def _ts(value: datetime | None) -> float | None:
+    return None if value is None else value.timestamp()
+
+
+def build_turn(item: WorkItem, *, signing_key: bytes) -> OutboundTurn:
+    """The sealed envelope of ``item`` (references only: the body stays in the store)."""
+    envelope = AgentTurnEnvelope(
+        job_id=item.id,
+        session_id=item.session_id,
+        kind=item.kind,
+        payload_ref=item.id,
+        tenant=item.tenant,
+        priority=item.priority,
+        deadline=_ts(item.deadline),
+        attempt=item.attempt,
+        enqueued_at=time.time(),
+    )
+    return OutboundTurn(
+        work_item_id=item.id,
+        session_id=item.session_id,
+        tenant=item.tenant,
+        wire=seal(envelope, signing_key),
+        priority=item.priority,
+        deadline=_ts(item.deadline),
+        fairness_group=item.fairness_group,
+        not_before=_ts(item.not_before),
+    )
+
+
+def check_envelope_fields(request: SubmitRequest) -> None:
+    """Refuse, before anything is stored, a request whose envelope could never be sealed."""
+    try:
+        AgentTurnEnvelope(
+            job_id=request.work_item_id or _PLACEHOLDER,
+            session_id=request.session_id or _PLACEHOLDER,
+            kind=request.kind,
+            payload_ref=_PLACEHOLDER,
+            tenant=request.tenant,
+            priority=request.priority,
+            deadline=_ts(request.deadline),
+            enqueued_at=0.0,
+        )
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        field = ".".join(str(p) for p in first["loc"]) or "request"
+        raise InvalidRequest(f"{field}: {first['msg']}") from None
+
+
+def precheck(transport: Transport, settings: Settings, count: int = 1) -> None:
+    """Cheap fail-closed check before anything is written: an unknown depth rejects.
+
+    Not authoritative (another submitter may take the room next); the transport's atomic
+    compare-and-admit is. ``DepthUnavailable``/``QueueFull`` propagate.
+    """
+    depth = transport.depth()
+    if depth + count > settings.max_depth:
+        raise QueueFull(f"queue depth {depth} is at the bound {settings.max_depth}")
+
+
+def _shares_database(store: WorkItemStore, transport: Transport) -> bool:
+    return (
+        isinstance(store, _SharedStore)
+        and isinstance(transport, _SharedTransport)
+        and store.database_identity == transport.database_identity
+    )
+
+
+def _admittable(item: WorkItem) -> bool:
+    # A submitted item waits for its dependencies; the sweep dispatches it once it is ready.
+    return item.state is WorkState.READY
+
+
+def enqueue(
+    store: WorkItemStore,
+    transport: Transport,
+    request: SubmitRequest,
+    *,
+    signing_key: bytes,
+    settings: Settings,
+) -> SubmitResult:
+    """Admit one turn; see the module docstring. A replayed request returns the existing item."""
+    check_envelope_fields(request)
+    precheck(transport, settings)
+    return _enqueue_one(store, transport, request, signing_key=signing_key)
+
+
+def _enqueue_one(
+    store: WorkItemStore, transport: Transport, request: SubmitRequest, *, signing_key: bytes
+) -> SubmitResult:
+    if _shares_database(store, transport):
+        assert isinstance(store, _SharedStore) and isinstance(transport, _SharedTransport)
+        shared = transport
+
+        def admit_in_submit(conn: Any, item: WorkItem) -> None:
+            if _admittable(item):
+                shared.admit_on(conn, [build_turn(item, signing_key=signing_key)], bounded=True)
+
+        result = store.submit_in_transaction(request, admit_in_submit)
+    else:
+        result = store.submit(request)
+        if not (result.created and _admittable(result.item)):
+            return result
+        _admit_or_cancel(store, transport, [result.item], signing_key=signing_key)
+    if result.created and _admittable(result.item):
+        _mark_dispatched(store, [result.item.id])
+    return result
+
+
+def enqueue_many(
+    store: WorkItemStore,
+    transport: Transport,
+    requests: Sequence[SubmitRequest],
+    *,
+    signing_key: bytes,
+    settings: Settings,
+) -> list[SubmitResult | DispatchError]:
+    """Admit a batch; every request gets its own outcome, in order (one refusal hides no other).
+
+    Admission is one batch where the transport allows it (one transaction, one flush barrier);
+    when the bound leaves room for only some, as many as fit are accepted, one by one, and the
+    rest get ``QueueFull``. The bound is never exceeded.
+    """
+    outcomes: list[SubmitResult | DispatchError | None] = [None] * len(requests)
+    try:
+        precheck(transport, settings)
+    except AdmissionRejected as exc:
+        return [exc] * len(requests)
+    if _shares_database(store, transport):
+        for index, request in enumerate(requests):
+            try:
+                check_envelope_fields(request)
+                outcomes[index] = _enqueue_one(store, transport, request, signing_key=signing_key)
+            except DispatchError as exc:
+                outcomes[index] = exc
+        return [o for o in outcomes if o is not None]
+
+    fresh: list[tuple[int, WorkItem]] = []
+    for index, request in enumerate(requests):
+        try:
+            check_envelope_fields(request)
+            result = store.submit(request)
+        except DispatchError as exc:
+            outcomes[index] = exc
+            continue
+        outcomes[index] = result
+        if result.created and _admittable(result.item):
+            fresh.append((index, result.item))
+    items = [item for _, item in fresh]
+    try:
+        if items:
+            transport.admit([build_turn(item, signing_key=signing_key) for item in items], bounded=True)
+        admitted = [item.id for item in items]
+    except QueueFull:
+        # Room for some but not all: admit one at a time so each gets its own answer.
+        admitted = []
+        for index, item in fresh:
+            try:
+                _admit_or_cancel(store, transport, [item], signing_key=signing_key)
+                admitted.append(item.id)
+            except AdmissionRejected as exc:
+                outcomes[index] = exc
+    except BaseException as exc:
+        _cancel_unadmitted(store, items, exc)
+        if not isinstance(exc, DispatchError):
+            raise
+        admitted = []
+        for index, _ in fresh:
+            outcomes[index] = exc
+    _mark_dispatched(store, admitted)
+    return [o for o in outcomes if o is not None]
+
+
+def _admit_or_cancel(
+    store: WorkItemStore, transport: Transport, items: Sequence[WorkItem], *, signing_key: bytes
+) -> None:
+    """Admit ``items`` all-or-nothing; if that fails, cancel them with the reason and re-raise."""
+    if not items:
+        return
+    try:
+        transport.admit([build_turn(item, signing_key=signing_key) for item in items], bounded=True)
+    except BaseException as exc:
+        _cancel_unadmitted(store, items, exc)
+        raise
+
+
+def _cancel_unadmitted(store: WorkItemStore, items: Sequence[WorkItem], exc: BaseException) -> None:
+    """No orphans: a submitted item whose admission failed is cancelled, with the reason."""
+    reason = bound_error(f"admission failed after submit: {type(exc).__name__}: {exc}") or ""
+    for item in items:
+        try:
+            store.cancel(item.id, tenant=item.tenant, reason=reason)
+        except Exception:  # the admission error matters more; the sweep re-drives a survivor
+            log.exception("could not cancel a WorkItem whose admission failed", extra={"job_id": item.id})
+
+
+def _mark_dispatched(store: WorkItemStore, work_item_ids: Sequence[str]) -> None:
+    if not work_item_ids:
+        return
+    try:
+        store.mark_dispatched(work_item_ids)
+    except Exception:
+        # Admitted already; at worst the sweep re-drives it early, which transports de-duplicate
+        # (database queues) or workers absorb (idempotent ids).
+        log.warning("could not record dispatch time", exc_info=True)
+
+
+def default_stale_after_s(settings: Settings) -> float:
+    """How long a ready item may go undelivered before the sweep re-drives it.
+
+    No longer than the visibility timeout, and short enough that detection plus one sweep
+    interval stays within the RTO.
+    """
+    return max(1.0, min(settings.effective_visibility_timeout_s, RTO_S - settings.sweep_interval_s))
+
+
+def redrive(
+    store: WorkItemStore,
+    transport: Transport,
+    *,
+    settings: Settings,
+    signing_key: bytes,
+    stale_after_s: float | None = None,
+    limit: int = 1000,
+) -> int:
+    """Re-admit the envelopes of recoverable WorkItems (unbounded); returns how many.
+
+    Only the holder of the ``recovery-sweep`` leadership does this. Transports skip a work item
+    that still has a queued delivery, so a re-drive never doubles a live one on the database
+    queues.
+    """
+    if not store.try_lead(RECOVERY_LEADER):
+        return 0
+    stale = default_stale_after_s(settings) if stale_after_s is None else stale_after_s
+    items = store.recoverable(stale_after_s=stale, limit=limit)
+    turns: list[OutboundTurn] = []
+    for item in items:
+        try:
+            turns.append(build_turn(item, signing_key=signing_key))
+        except (DispatchError, ValidationError) as exc:
+            # An item whose envelope can never be sealed would be re-driven forever: dead-letter it.
+            store.dead_letter(item.id, reason=bound_error(f"envelope cannot be built: {exc}") or "")
+    if not turns:
+        return 0
+    transport.admit(turns, bounded=False)
+    store.mark_dispatched([t.work_item_id for t in turns])
+    return len(turns)
+
+
+__all__ = [
+    "RECOVERY_LEADER",
+    "build_turn",
+    "check_envelope_fields",
+    "default_stale_after_s",
+    "enqueue",
+    "enqueue_many",
+    "precheck",
+    "redrive",
+]

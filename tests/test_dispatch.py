@@ -1,0 +1,247 @@
+"""The enqueue path and the recovery re-drive, on real stores and real database transports.
+
+Four layouts: the queue in the WorkItem store's own database (SQLite file, PostgreSQL database),
+where submit and admit are one transaction, and the queue in a different database, where a
+failed admission must cancel the submitted WorkItem.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from agent_dispatch import dispatch
+from agent_dispatch.envelope import open_envelope
+from agent_dispatch.errors import DepthUnavailable, InvalidRequest, NotFound, QueueFull
+from agent_dispatch.models import SubmitRequest, SubmitResult, WorkState, deterministic_id
+from agent_dispatch.settings import Settings
+from agent_dispatch.store import WorkItemStore
+from agent_dispatch.stores.postgres import PostgresStore
+from agent_dispatch.stores.sqlite import SqliteStore
+from agent_dispatch.transport import OutboundTurn
+from agent_dispatch.transports.postgres import PostgresTransport
+from agent_dispatch.transports.sqlite import SqliteTransport
+
+KEY = b"dispatch-test-signing-key-0123456789abcdef"
+
+
+@dataclass
+class Layout:
+    name: str
+    store: WorkItemStore
+    transport: Any  # SqliteTransport | PostgresTransport
+    settings: Settings
+    shared: bool
+    #: Make the transport's next depth probe fail for real.
+    break_probe: Callable[[], None]
+    #: Another store on the same database (leader-election checks).
+    second_store: Callable[[], WorkItemStore]
+
+
+LAYOUTS = [
+    pytest.param("sqlite-shared", id="sqlite-shared"),
+    pytest.param("sqlite-separate", id="sqlite-separate"),
+    pytest.param("postgres-shared", id="postgres-shared", marks=pytest.mark.postgres),
+    pytest.param("postgres-separate", id="postgres-separate", marks=pytest.mark.postgres),
+]
+
+
+def _terminate_backends(dsn: str) -> Callable[[], None]:
+    def run() -> None:
+        dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (dbname,),
+            )
+
+    return run
+
+
+@pytest.fixture(params=LAYOUTS)
+def make_layout(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Layout]]:
+    kind: str = request.param
+    closing: list[Any] = []
+
+    def make(*, max_depth: int = 100) -> Layout:
+        settings = Settings(max_depth=max_depth, signing_key=KEY.decode(), data_dir=tmp_path)
+        store: WorkItemStore
+        if kind.startswith("sqlite"):
+            store_path = tmp_path / "agent-dispatch.sqlite3"
+            queue_path = store_path if kind == "sqlite-shared" else tmp_path / "queue.sqlite3"
+            store = SqliteStore(store_path, settings)
+            transport: Any = SqliteTransport(queue_path, max_depth=max_depth, visibility_timeout_s=60)
+            break_probe = transport.close
+
+            def second() -> WorkItemStore:
+                other = SqliteStore(store_path, settings)
+                closing.append(other)
+                return other
+        else:
+            store_dsn = request.getfixturevalue("postgres_dsn")
+            if kind == "postgres-shared":
+                queue_dsn = store_dsn
+            else:
+                server = request.getfixturevalue("postgres_server")
+                queue_dsn = server.create_database(f"q_{uuid.uuid4().hex[:12]}")
+            store = PostgresStore(store_dsn, settings)
+            transport = PostgresTransport(queue_dsn, max_depth=max_depth, visibility_timeout_s=60)
+            break_probe = _terminate_backends(queue_dsn)
+
+            def second() -> WorkItemStore:
+                other = PostgresStore(store_dsn, settings)
+                closing.append(other)
+                return other
+
+        store.migrate()
+        transport.ensure_ready()
+        closing.extend([transport, store])
+        return Layout(kind, store, transport, settings, kind.endswith("shared"), break_probe, second)
+
+    yield make
+    for thing in reversed(closing):
+        thing.close()
+
+
+def request_for(key: str, *, tenant: str = "tenant-a", **kwargs: Any) -> SubmitRequest:
+    return SubmitRequest(
+        tenant=tenant, kind="chat", payload=b'{"text":"hello"}', idempotency_key=key, **kwargs
+    )
+
+
+def enqueue(layout: Layout, request: SubmitRequest) -> SubmitResult:
+    return dispatch.enqueue(
+        layout.store, layout.transport, request, signing_key=KEY, settings=layout.settings
+    )
+
+
+def fill_queue_after_the_precheck(layout: Layout) -> None:
+    """A concurrent submitter takes the last slot between our depth pre-check and our admission."""
+    real_depth = layout.transport.depth
+
+    def depth() -> int:
+        measured = real_depth()
+        layout.transport.depth = real_depth  # once
+        layout.transport.admit([OutboundTurn(f"other-{uuid.uuid4().hex}", "s", "tenant-b", b"{}")])
+        return measured
+
+    layout.transport.depth = depth
+
+
+def test_enqueue_admits_a_signed_envelope_of_the_item(make_layout: Callable[..., Layout]) -> None:
+    layout = make_layout()
+    result = enqueue(layout, request_for("k1", session_id="session-1", priority=3))
+    assert result.created and result.item.state is WorkState.READY
+    assert layout.transport.depth() == 1
+
+    (delivery,) = layout.transport.claim("worker")
+    envelope = open_envelope(delivery.wire, KEY)
+    assert (envelope.job_id, envelope.payload_ref, envelope.tenant) == (result.item.id,) * 2 + ("tenant-a",)
+    assert (envelope.session_id, envelope.kind, envelope.priority) == ("session-1", "chat", 3)
+    assert delivery.work_item_id == result.item.id
+    # Dispatch was recorded, so the recovery sweep does not re-drive a healthy item.
+    assert layout.store.recoverable(stale_after_s=60) == []
+
+
+def test_a_replayed_request_returns_the_item_without_a_second_delivery(
+    make_layout: Callable[..., Layout],
+) -> None:
+    layout = make_layout()
+    first = enqueue(layout, request_for("same-key"))
+    again = enqueue(layout, request_for("same-key"))
+    assert (again.created, again.item.id) == (False, first.item.id)
+    assert layout.transport.depth() == 1
+
+
+def test_admission_refused_after_submit(make_layout: Callable[..., Layout]) -> None:
+    layout = make_layout(max_depth=1)
+    fill_queue_after_the_precheck(layout)
+    with pytest.raises(QueueFull):
+        enqueue(layout, request_for("k-refused"))
+    item_id = deterministic_id("tenant-a", "k-refused")
+    if layout.shared:
+        # One transaction: the refused admission took the WorkItem with it.
+        with pytest.raises(NotFound):
+            layout.store.get(item_id)
+    else:
+        # Separate databases: the WorkItem exists but is cancelled, saying why (no orphan).
+        item = layout.store.get(item_id)
+        assert item.state is WorkState.CANCELLED
+        assert item.error is not None and "admission failed" in item.error
+    assert layout.transport.depth() == 1  # only the other submitter's turn
+
+
+def test_a_failing_depth_probe_rejects_before_anything_is_stored(make_layout: Callable[..., Layout]) -> None:
+    layout = make_layout()
+    layout.break_probe()
+    with pytest.raises(DepthUnavailable):
+        enqueue(layout, request_for("k-probe"))
+    with pytest.raises(
+        NotFound
+    ):  # a fresh store: breaking the probe may have hit the store's connections too
+        layout.second_store().get(deterministic_id("tenant-a", "k-probe"))
+
+
+def test_a_request_whose_envelope_cannot_be_sealed_is_refused_up_front(
+    make_layout: Callable[..., Layout],
+) -> None:
+    layout = make_layout()
+    with pytest.raises(InvalidRequest):
+        enqueue(layout, request_for("k-bad", session_id="has spaces"))
+    with pytest.raises(NotFound):
+        layout.store.get(deterministic_id("tenant-a", "k-bad"))
+    assert layout.transport.depth() == 0
+
+
+def test_enqueue_many_accepts_what_fits_and_answers_each(make_layout: Callable[..., Layout]) -> None:
+    layout = make_layout(max_depth=3)
+    requests = [request_for(f"batch-{i}") for i in range(5)]
+    requests.insert(2, request_for("batch-bad", session_id="has spaces"))
+    outcomes = dispatch.enqueue_many(
+        layout.store, layout.transport, requests, signing_key=KEY, settings=layout.settings
+    )
+    assert len(outcomes) == 6
+    assert isinstance(outcomes[2], InvalidRequest)
+    accepted = [o for o in outcomes if isinstance(o, SubmitResult)]
+    refused = [o for o in outcomes if isinstance(o, QueueFull)]
+    assert (len(accepted), len(refused)) == (3, 2)
+    assert layout.transport.depth() == 3
+    for request, outcome in zip(requests, outcomes, strict=True):
+        if isinstance(outcome, QueueFull):
+            item_id = deterministic_id("tenant-a", request.idempotency_key or "")
+            if layout.shared:
+                with pytest.raises(NotFound):
+                    layout.store.get(item_id)
+            else:
+                assert layout.store.get(item_id).state is WorkState.CANCELLED
+
+
+def test_redrive_readmits_undispatched_items_only_while_leading(make_layout: Callable[..., Layout]) -> None:
+    layout = make_layout()
+    # Submitted, but the process died before admitting it: nothing is queued.
+    item = layout.store.submit(request_for("k-lost")).item
+    assert layout.transport.depth() == 0
+
+    other = layout.second_store()
+    assert other.try_lead(dispatch.RECOVERY_LEADER)
+    assert dispatch.redrive(layout.store, layout.transport, settings=layout.settings, signing_key=KEY) == 0
+    other.close()
+
+    sweep = dispatch.redrive(
+        layout.store, layout.transport, settings=layout.settings, signing_key=KEY, stale_after_s=0
+    )
+    assert sweep == 1
+    (delivery,) = layout.transport.claim("worker")
+    assert open_envelope(delivery.wire, KEY).job_id == item.id
+    # Dispatched now: the next sweep leaves it alone, and a forced one does not double the delivery.
+    assert dispatch.redrive(layout.store, layout.transport, settings=layout.settings, signing_key=KEY) == 0
+    dispatch.redrive(
+        layout.store, layout.transport, settings=layout.settings, signing_key=KEY, stale_after_s=0
+    )
+    assert layout.transport.depth() == 1
