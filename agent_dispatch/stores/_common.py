@@ -341,6 +341,9 @@ def repeated_commit(view: View | None, lease: Lease, outcome: Outcome, *, retrya
         return False
     if view.lease_epoch != lease.lease_epoch:
         return False
+    # A retry releases the item (owner cleared); otherwise the committing owner is still recorded.
+    if view.lease_owner is not None and view.lease_owner != lease.owner:
+        return False
     if outcome is Outcome.FAILED and retryable:
         return view.state in (WorkState.READY, WorkState.DEAD_LETTER)
     return view.state is COMMIT_STATE[outcome]
