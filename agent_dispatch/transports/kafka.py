@@ -286,34 +286,42 @@ class _ErrorReporter:
 
 
 class _Batch:
-    """One admit() call's messages: counts delivery reports and wakes the caller after the last."""
+    """One admit() call's messages: wakes the caller once every message has a delivery report.
 
-    __slots__ = ("_flusher", "_lock", "done", "errors", "remaining")
+    Reports arrive on the flusher thread while the caller may still be settling messages that
+    never reached librdkafka, so the count is kept lock-free: every message owns one entry of a
+    deque, each report pops one (``deque.pop`` is atomic), and whoever pops the sentinel placed
+    at the far end is the last and opens the latch.
+    """
+
+    __slots__ = ("_flusher", "_pending", "count", "done", "errors")
+
+    _LAST: Final = -1
 
     def __init__(self, count: int, flusher: _Flusher) -> None:
         self._flusher = flusher
-        self._lock = threading.Lock()
-        self.remaining = count
+        self.count = count
+        self._pending: collections.deque[int] = collections.deque([_Batch._LAST])
+        self._pending.extend(itertools.repeat(0, count - 1))
         self.errors: list[str] = []
-        # A plain lock used as a one-shot latch: cheaper than an Event for the hot path.
+        # A plain lock used as a one-shot latch: cheaper than an Event on the hot path.
         self.done = threading.Lock()
         self.done.acquire()
-        if count == 0:
-            self.done.release()
 
-    def settle(self, count: int, error: str | None) -> None:
-        with self._lock:
-            if error is not None:
-                self.errors.append(error)
-            self.remaining -= count
-            last = self.remaining == 0
-        if last:
+    @property
+    def remaining(self) -> int:
+        return len(self._pending)
+
+    def settle(self, error: str | None) -> None:
+        if error is not None:
+            self.errors.append(error)
+        if self._pending.pop() == _Batch._LAST:
             self.done.release()
 
     def on_delivery(self, err: KafkaError | None, _msg: Message) -> None:
-        # Runs on the thread serving delivery reports (the flusher), so this counter has one writer.
+        # Only the flusher thread serves reports, so this counter has a single writer.
         self._flusher.reported += 1
-        self.settle(1, None if err is None else err.name())
+        self.settle(None if err is None else err.name())
 
 
 class _Flusher:
@@ -325,34 +333,40 @@ class _Flusher:
     messages of every caller that joined while the previous request was in flight.
     """
 
-    def __init__(self, producer: Producer, *, use_flush: bool = True) -> None:
+    def __init__(self, producer: Producer) -> None:
         self._producer = producer
-        self._use_flush = use_flush
         self._wake = threading.Event()
+        #: True while the thread waits for work; admitters only pay for a wake-up then.
+        self._idle = True
         self._stopping = False
-        #: Delivery reports served (success or failure); written by the flusher thread only.
+        #: Delivery reports served (success or failure); written by this thread only.
         self.reported = 0
         self._thread = threading.Thread(target=self._run, name="kafka-flusher", daemon=True)
         self._thread.start()
 
     def kick(self) -> None:
-        self._wake.set()
+        if self._idle:
+            self._wake.set()
 
     def _run(self) -> None:
         producer = self._producer
         while not self._stopping:
             self._wake.wait(0.5)
-            # Clear before looking at the queue: a producer that enqueues after this point sets
-            # the event again, one that enqueued before is seen by len() below.
+            # Order matters: clear the event, declare busy, then look at the queue. An admitter
+            # that enqueued before len() is seen by it; one that enqueues after the loop below
+            # declares idle sees _idle and sets the event again.
             self._wake.clear()
-            while len(producer) > 0 and not self._stopping:
-                try:
-                    if self._use_flush:
+            self._idle = False
+            try:
+                while len(producer) > 0 and not self._stopping:
+                    try:
                         producer.flush(0.1)
-                    else:
-                        producer.poll(0.05)
-                except Exception:  # a callback bug must not kill the only thread serving reports
-                    log.exception("kafka delivery report handling failed")
+                    except Exception:  # a callback bug must not kill the only thread serving reports
+                        log.exception("kafka delivery report handling failed")
+            finally:
+                self._idle = True
+            if len(producer) > 0:
+                self._wake.set()  # enqueued between the last len() and _idle = True
 
     def stop(self, timeout_s: float) -> None:
         self._stopping = True
@@ -490,6 +504,9 @@ class _Token:
             raise Fenced("malformed Kafka transport receipt") from None
 
 
+#: How long a claim may run past its wait while skipping already acknowledged records.
+_SKIP_GRACE_S: Final = 5.0
+
 _consumer_ids = itertools.count(1)
 _epochs = itertools.count(1)
 
@@ -602,13 +619,18 @@ class _ThreadConsumer:
                 if first is not None and max_items > 1:
                     batch.extend(self.consumer.consume(max_items - 1, timeout=0))
             now = time.monotonic()
+            records = 0  # error events (broker down, ...) are not records: they never extend a claim
             for message in batch:
+                if message.error() is None:
+                    records += 1
                 delivery = self._accept(message, owner, now)
                 if delivery is not None:
                     out.append(delivery)
-            if len(out) >= max_items or (out and not batch):
+            if len(out) >= max_items or (out and not records):
                 break
-            if now >= deadline and (out or not batch):
+            # Past the deadline, keep reading only while records stream in that are all skipped
+            # (acknowledged ones after a seek back); the hard stop bounds even that.
+            if now >= deadline and (out or not records or now >= deadline + _SKIP_GRACE_S):
                 break
         if out:
             # Record what was handed out (commit metadata), so a next owner counts redeliveries.
@@ -985,6 +1007,15 @@ class KafkaTransport:
     # -- admission -------------------------------------------------------------------------------
 
     def admit(self, turns: Sequence[OutboundTurn], *, bounded: bool = True) -> None:
+        """Returns once the broker acknowledged every turn (``acks=all``), or raises.
+
+        ``QueueFull``/``DepthUnavailable`` before anything is sent; :class:`DeliveryFailed` when
+        the broker did not confirm every turn (some may have been written: Kafka has no
+        all-or-nothing produce without transactions, so the caller cancels the WorkItems and a
+        worker that meets such a turn acknowledges it). ``bounded=False`` skips the bound; Kafka
+        cannot see whether a turn still has a queued delivery, so a re-drive may produce a second
+        one, which the WorkItem lease turns into a no-op.
+        """
         if not turns:
             return
         producer, flusher = self._producing()
@@ -995,17 +1026,25 @@ class KafkaTransport:
             with self._admit_lock:
                 self._reserved += count
         batch = _Batch(count, flusher)
+        on_delivery, produce, topic = batch.on_delivery, producer.produce, self.topic
         produced = 0
         try:
             for turn in turns:
-                self._produce(producer, turn, batch)
+                key, header = turn.session_id.encode(), [(WORK_ITEM_HEADER, turn.work_item_id.encode())]
+                try:
+                    produce(topic, turn.wire, key, headers=header, on_delivery=on_delivery)
+                except BufferError:
+                    self._produce_when_room(producer, turn.wire, key, header, on_delivery)
                 produced += 1
+        except KafkaException as exc:
+            raise DeliveryFailed(f"kafka refused the turn ({_describe(exc)})") from None
         finally:
             if produced < count:
                 # Never reached librdkafka: settle them here so the bookkeeping stays exact.
                 with self._admit_lock:
                     self._failed_locally += count - produced
-                batch.settle(count - produced, "not enqueued")
+                for _ in range(count - produced):
+                    batch.settle("not enqueued")
             flusher.kick()
         if not batch.done.acquire(timeout=self.tuning.delivery_timeout_s + 10.0):
             raise DeliveryFailed(f"kafka did not confirm {batch.remaining} of {count} turns in time")
@@ -1014,25 +1053,24 @@ class KafkaTransport:
                 f"kafka did not accept {len(batch.errors)} of {count} turns ({sorted(set(batch.errors))[0]})"
             )
 
-    def _produce(self, producer: Producer, turn: OutboundTurn, batch: _Batch) -> None:
+    def _produce_when_room(
+        self, producer: Producer, value: bytes, key: bytes, headers: list[tuple[str, bytes]], on_delivery: Any
+    ) -> None:
+        """librdkafka's local queue is full: the flusher is draining it; retry until the deadline."""
         deadline = time.monotonic() + self.tuning.delivery_timeout_s
         while True:
+            self._flusher_kick()
+            time.sleep(0.002)
             try:
-                producer.produce(
-                    self.topic,
-                    value=turn.wire,
-                    key=turn.session_id.encode(),
-                    headers=[(WORK_ITEM_HEADER, turn.work_item_id.encode())],
-                    on_delivery=batch.on_delivery,
-                )
+                producer.produce(self.topic, value, key, headers=headers, on_delivery=on_delivery)
                 return
             except BufferError:
-                # librdkafka's local queue is full: the flusher is draining it; back off briefly.
                 if time.monotonic() > deadline:
                     raise DeliveryFailed("kafka producer queue stayed full") from None
-                time.sleep(0.005)
-            except KafkaException as exc:
-                raise DeliveryFailed(f"kafka refused the turn ({_describe(exc)})") from None
+
+    def _flusher_kick(self) -> None:
+        if self._flusher is not None:
+            self._flusher.kick()
 
     def _reserve_bounded(self, count: int) -> None:
         """Check depth + count against the bound and reserve the room, or raise.
@@ -1090,7 +1128,7 @@ class KafkaTransport:
 
     def _producing(self) -> tuple[Producer, _Flusher]:
         producer, flusher = self._producer, self._flusher
-        if producer is not None and flusher is not None:
+        if producer is not None and flusher is not None and not self._closed:
             return producer, flusher
         with self._lock:
             if self._closed:
