@@ -174,6 +174,39 @@ def test_queue_full_is_429_with_retry_after(backend: str, dsn: str | None, tmp_p
         assert len(gw.call("GET", "/api/graph/jobs?state=ready&state=submitted").json()["jobs"]) == 2
 
 
+def test_depth_probe_failure_is_503_and_nothing_is_accepted(gw: Running) -> None:
+    """Fail closed: with the admission counter gone the depth is unknown, never taken as zero."""
+    assert gw.submit().status == 202
+    _delete_depth_counter(gw)
+    reply = gw.submit({"kind": "t", "payload": {"after": "probe failure"}})
+    assert reply.status == 503
+    assert reply.json()["error"] == "depth_unavailable"
+    assert int(reply.headers["Retry-After"]) >= 1
+    batch = gw.call("POST", "/api/turns:batch", body={"turns": [{"kind": "t", "payload": 1}]})
+    assert [r["status"] for r in batch.json()["results"]] == [503]
+    ready = gw.call("GET", "/readyz", tenant=None)
+    assert ready.status == 503 and ready.json()["checks"]["transport"] == "DepthUnavailable"
+    assert len(gw.call("GET", "/api/graph/jobs").json()["jobs"]) == 1  # only the turn from before
+
+
+def _delete_depth_counter(gw: Running) -> None:
+    table = "agent_dispatch_queue_depth"
+    if gw.settings.state_db_uri is not None:
+        import psycopg
+
+        with psycopg.connect(gw.settings.state_db_uri.get_secret_value(), autocommit=True) as conn:
+            conn.execute(f"DELETE FROM {table}")
+    else:
+        import sqlite3
+
+        conn = sqlite3.connect(gw.settings.sqlite_path)
+        try:
+            conn.execute(f"DELETE FROM {table}")
+            conn.commit()
+        finally:
+            conn.close()
+
+
 # --- idempotency and batches -----------------------------------------------------------------
 
 
