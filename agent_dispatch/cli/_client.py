@@ -182,6 +182,7 @@ class DirectClient:
         from agent_dispatch import dispatch
         from agent_dispatch.gateway import job_handle
         from agent_dispatch.gateway._models import TurnBody
+        from agent_dispatch.store import check_payload
 
         try:
             body = TurnBody.model_validate(turn)
@@ -189,11 +190,9 @@ class DirectClient:
             first = exc.errors(include_url=False, include_input=False)[0]
             field = ".".join(str(p) for p in first["loc"]) or "body"
             raise ClientError(f"{field}: {first['msg']}", EXIT_USAGE, status=422) from None
-        if len(body.payload_bytes()) > self.settings.max_payload_bytes:
-            raise ClientError(
-                f"payload is over {self.settings.max_payload_bytes} bytes as JSON", EXIT_USAGE, status=413
-            )
-        request = body.to_request(self.tenant, idempotency_key, datetime.now(UTC))
+        payload = body.payload_bytes()
+        self._guard(check_payload, payload, self.settings.max_payload_bytes)
+        request = body.to_request(self.tenant, idempotency_key, datetime.now(UTC), payload)
         result = self._guard(
             lambda: dispatch.enqueue(
                 self.store, self.transport, request, signing_key=self.signing_key, settings=self.settings

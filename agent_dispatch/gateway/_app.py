@@ -49,7 +49,7 @@ from agent_dispatch.gateway._models import (
 from agent_dispatch.gateway._openapi import openapi_document
 from agent_dispatch.models import SubmitRequest, SubmitResult, WorkItem, WorkState
 from agent_dispatch.settings import Settings
-from agent_dispatch.store import WorkItemStore
+from agent_dispatch.store import WorkItemStore, check_payload
 from agent_dispatch.transport import Transport
 
 log = logging.getLogger("agent_dispatch.gateway")
@@ -243,14 +243,12 @@ class Gateway:
         return key
 
     def check_payload(self, turn: TurnBody, prefix: str = "") -> bytes:
+        """The payload as stored (compact JSON bytes), refused with 413 when over the limit."""
         payload = turn.payload_bytes()
-        if len(payload) > self.settings.max_payload_bytes:
-            raise ApiError(
-                413,
-                "payload_too_large",
-                f"payload is {len(payload)} bytes as JSON; the limit is {self.settings.max_payload_bytes}",
-                field=f"{prefix}payload",
-            )
+        try:
+            check_payload(payload, self.settings.max_payload_bytes)
+        except PayloadTooLarge as exc:
+            raise ApiError(413, "payload_too_large", str(exc), field=f"{prefix}payload") from None
         return payload
 
     def enqueue(self, request: SubmitRequest) -> SubmitResult:
@@ -269,8 +267,8 @@ class Gateway:
                 turn = TurnBody.model_validate_json(body)
             except ValidationError as exc:
                 raise validation_error(exc) from None
-            self.check_payload(turn)
-            submit_request = turn.to_request(tenant, key, datetime.now(UTC))
+            payload = self.check_payload(turn)
+            submit_request = turn.to_request(tenant, key, datetime.now(UTC), payload)
             try:
                 result = await self.blocking(self.enqueue, submit_request)
             except DispatchError as exc:
@@ -303,10 +301,9 @@ class Gateway:
                     turn = BatchTurnBody.model_validate(raw)
                 except ValidationError as exc:
                     raise validation_error(exc, prefix) from None
-                self.check_payload(turn, prefix)
+                payload = self.check_payload(turn, prefix)
                 item_key = turn.idempotency_key or (f"{key}/{index}" if key is not None else None)
-                data = turn.model_dump(exclude={"idempotency_key"})
-                valid.append((index, TurnBody.model_validate(data).to_request(tenant, item_key, now)))
+                valid.append((index, turn.to_request(tenant, item_key, now, payload)))
             except ApiError as exc:
                 m.ADMISSIONS.labels(_admission_result(exc)).inc()
                 results[index] = {"index": index, "status": exc.status, **exc.body()}

@@ -61,11 +61,14 @@ class TurnBody(BaseModel):
         # Compact and stable: the stored bytes are what an executor reads back.
         return json.dumps(self.payload, separators=(",", ":"), ensure_ascii=False).encode()
 
-    def to_request(self, tenant: str, idempotency_key: str | None, now: datetime) -> SubmitRequest:
+    def to_request(
+        self, tenant: str, idempotency_key: str | None, now: datetime, payload: bytes
+    ) -> SubmitRequest:
+        """``payload`` is :meth:`payload_bytes`, encoded once by the caller that bounds its size."""
         return SubmitRequest(
             tenant=tenant,
             kind=self.kind,
-            payload=self.payload_bytes(),
+            payload=payload,
             session_id=self.session_id,
             priority=self.priority,
             deadline=parse_deadline(self.deadline, now),
