@@ -269,3 +269,24 @@ class ChartOperator:
             for line in self.text().splitlines()
             if re.search(r"\b403\b|forbidden", line, re.IGNORECASE) and not EXPECTED_FORBIDDEN.search(line)
         ]
+
+
+def leftovers(kube: ControlPlane, namespace: str) -> list[str]:
+    """Objects in ``namespace`` (and cluster-scoped ones) that the chart or the operator made."""
+    found: list[str] = []
+    namespaced = (
+        "deployments,replicasets,pods,services,serviceaccounts,roles,rolebindings,configmaps,"
+        "secrets,leases,horizontalpodautoscalers,agentdispatches"
+    )
+    for selector in (
+        f"app.kubernetes.io/instance={RELEASE}",
+        "app.kubernetes.io/managed-by=agent-dispatch-operator",
+        "agent-dispatch.io/instance",
+        "app.kubernetes.io/name=agent-dispatch",
+    ):
+        out = kube.kubectl("get", namespaced, "-n", namespace, "-l", selector, "-o", "name").stdout
+        found += out.split()
+        out = kube.kubectl("get", "clusterroles,clusterrolebindings", "-l", selector, "-o", "name").stdout
+        found += [name for name in out.split() if RELEASE in name]
+    found += kube.kubectl("get", "agentdispatches", "-n", namespace, "-o", "name").stdout.split()
+    return sorted(set(found))

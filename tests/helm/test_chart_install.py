@@ -30,6 +30,7 @@ from tests.helm._support import (
     get_ad,
     get_deployment,
     helm,
+    leftovers,
     service_account_token,
     service_account_user,
     wait_for,
@@ -342,27 +343,6 @@ def test_helm_upgrade_changes_the_operator_and_leaves_agentdispatches_alone(
     assert crd_after.metadata.resource_version == crd_before.metadata.resource_version
 
 
-def _leftovers(kube: ControlPlane, namespace: str) -> list[str]:
-    """Objects in ``namespace`` (and cluster-scoped ones) that the chart or the operator made."""
-    found: list[str] = []
-    namespaced = (
-        "deployments,replicasets,pods,services,serviceaccounts,roles,rolebindings,configmaps,"
-        "secrets,leases,horizontalpodautoscalers,agentdispatches"
-    )
-    for selector in (
-        f"app.kubernetes.io/instance={RELEASE}",
-        "app.kubernetes.io/managed-by=agent-dispatch-operator",
-        "agent-dispatch.io/instance",
-        "app.kubernetes.io/name=agent-dispatch",
-    ):
-        out = kube.kubectl("get", namespaced, "-n", namespace, "-l", selector, "-o", "name").stdout
-        found += out.split()
-        out = kube.kubectl("get", "clusterroles,clusterrolebindings", "-l", selector, "-o", "name").stdout
-        found += [name for name in out.split() if RELEASE in name]
-    found += kube.kubectl("get", "agentdispatches", "-n", namespace, "-o", "name").stdout.split()
-    return sorted(set(found))
-
-
 def test_helm_uninstall_leaves_nothing_but_the_crd(
     helm_bin: Path,
     kube: ControlPlane,
@@ -382,7 +362,7 @@ def test_helm_uninstall_leaves_nothing_but_the_crd(
     kube.kubectl("delete", "agentdispatch", "example", "-n", ns, "--timeout=60s")
     helm(helm_bin, home, kube, "uninstall", RELEASE, "--namespace", ns, "--wait", "--timeout=60s")
 
-    wait_for(lambda: _leftovers(kube, ns) == [], 60, what=f"no leftovers; found {_leftovers(kube, ns)}")
+    wait_for(lambda: leftovers(kube, ns) == [], 60, what=f"no leftovers; found {leftovers(kube, ns)}")
     crd = client.ApiextensionsV1Api(kube_api).read_custom_resource_definition(CRD_NAME)
     assert crd.metadata.name == CRD_NAME  # Helm never deletes crds/ (by design; see docs/operations.md)
     assert helm(helm_bin, home, kube, "status", RELEASE, "--namespace", ns, check=False).returncode != 0
