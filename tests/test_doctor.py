@@ -8,7 +8,9 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -175,3 +177,28 @@ def test_doctor_against_a_real_postgres_hides_user_host_and_paths(
         str(tmp_path),
     ]:
         assert needle not in out, needle
+
+
+@pytest.mark.kube
+def test_doctor_counts_worker_heartbeats_from_their_leases(
+    kube_api: Any, kubeconfig: Path, kube_namespace: str
+) -> None:
+    from agent_dispatch.worker._heartbeat import LeaseHeartbeat
+
+    settings = load(
+        AGENT_DISPATCH_INSTANCE="orders",
+        AGENT_DISPATCH_NAMESPACE=kube_namespace,
+        KUBECONFIG=str(kubeconfig),
+    )
+    assert [c.status for c in doctor.heartbeat_probe(settings)] == ["warn"]  # no workers yet
+
+    live = LeaseHeartbeat(kube_api, kube_namespace, "orders", "w-live", duration_s=60, interval_s=30)
+    stale = LeaseHeartbeat(kube_api, kube_namespace, "orders", "w-stale", duration_s=1, interval_s=30)
+    other = LeaseHeartbeat(kube_api, kube_namespace, "billing", "w-other", duration_s=60, interval_s=30)
+    for heartbeat in (live, stale, other):
+        heartbeat.beat()
+    time.sleep(2.5)  # the 1 s lease of w-stale runs out
+    [check] = doctor.heartbeat_probe(settings)
+    assert check.status == "ok"
+    assert check.data == {"live": 1, "stale": 1}  # another instance's workers do not count
+    assert check.detail == "1 live workers, 1 stale"
