@@ -19,6 +19,7 @@ Usage: ``python bench/kafka_bench.py [--bootstrap HOST:PORT] [--messages N] ...`
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -41,6 +42,12 @@ from agent_dispatch.transport import OutboundTurn
 from agent_dispatch.transports.kafka import WORK_ITEM_HEADER, KafkaTransport, KafkaTuning, ensure_topic
 
 KEY = b"bench-signing-key-0123456789abcdef0123"
+
+#: The raw clients' librdkafka log lines (reconnects, broker start-up) would interleave with the
+#: figures; the transport routes its own through logging at DEBUG already.
+_QUIET = logging.getLogger("bench.librdkafka")
+_QUIET.addHandler(logging.NullHandler())
+_QUIET.propagate = False
 
 
 def make_turns(count: int, sessions: int = 1000) -> list[OutboundTurn]:
@@ -73,6 +80,7 @@ def producer_config(bootstrap: str) -> dict[str, Any]:
         "partitioner": "murmur2_random",
         "queue.buffering.max.messages": 1_000_000,
         "socket.nagle.disable": True,
+        "logger": _QUIET,
     }
 
 
@@ -80,7 +88,7 @@ class Bench:
     def __init__(self, bootstrap: str, partitions: int) -> None:
         self.bootstrap = bootstrap
         self.partitions = partitions
-        self.admin = AdminClient({"bootstrap.servers": bootstrap})
+        self.admin = AdminClient({"bootstrap.servers": bootstrap, "logger": _QUIET})
         self.topics: list[str] = []
 
     def topic(self, tag: str) -> str:
@@ -204,6 +212,7 @@ class Bench:
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
                 "partition.assignment.strategy": "cooperative-sticky",
+                "logger": _QUIET,
             }
         )
         consumer.subscribe([topic])

@@ -17,11 +17,13 @@ Consuming: one consumer per worker thread (created by that thread's first :meth:
 commits only. A receipt names the claiming owner and that consumer, and the assignment it was
 issued under; any other thread, a revoked partition or an expired visibility window gets
 :class:`Fenced`. Offsets are committed only up to each partition's contiguous acknowledged
-prefix. A released delivery, or one whose visibility timeout passes, is redelivered by seeking
+prefix. A released delivery, or one held past the visibility timeout, is redelivered by seeking
 the partition back to it once it is due; offsets acknowledged in between are skipped on the way
-forward. A partition that moves to another consumer restarts there from the committed prefix, so
-nothing unacknowledged is ever skipped (acknowledged turns past the prefix may come again: the
-WorkItem store makes redelivery safe).
+forward. The visibility timeout is also the consumer's ``max.poll.interval.ms``: a thread that
+stops coming back is taken out of the group, and its partitions restart on another consumer
+from the committed prefix, so nothing unacknowledged is ever skipped. Each commit's metadata
+records what was delivered past the prefix and which of those were still unacknowledged, so
+that next owner skips the acknowledged ones and counts redeliveries.
 """
 
 from __future__ import annotations
@@ -251,7 +253,8 @@ class KafkaTuning:
     #: Consumer group session timeout (a crashed process's partitions move after this); capped at
     #: the visibility timeout, since librdkafka needs it at or below max.poll.interval.ms.
     session_timeout_s: float = 45.0
-    #: Producer linger: how long librdkafka may hold a message to batch it with others.
+    #: Producer linger. The flusher's flush() sends at once while it runs; linger only delays a
+    #: message produced while the flusher is between rounds, so it can join the next request.
     linger_ms: float = 2.0
     producer_config: Mapping[str, Any] = field(default_factory=dict)
     consumer_config: Mapping[str, Any] = field(default_factory=dict)
@@ -858,6 +861,7 @@ class _Committer:
             if self._stopping:
                 return
             time.sleep(interval)  # let the acknowledgements of a burst pile into one commit
+            retry = False
             for tc in self._t._consumer_list():
                 try:
                     if not tc.thread.is_alive():
@@ -867,7 +871,10 @@ class _Committer:
                                 tc.close()
                             finally:
                                 tc.lock.release()
-                    elif tc.dirty and tc.lock.acquire(blocking=False):
+                    elif tc.dirty:
+                        if not tc.lock.acquire(blocking=False):
+                            retry = True  # the owner is in a call; look again after the interval
+                            continue
                         try:
                             if not tc.closed:
                                 tc.commit(force=True)
@@ -875,6 +882,8 @@ class _Committer:
                             tc.lock.release()
                 except Exception:  # keep flushing the others
                     log.exception("kafka background commit failed")
+            if retry:
+                self._wake.set()
 
     def stop(self, timeout_s: float) -> None:
         self._stopping = True
