@@ -17,8 +17,6 @@ import yaml
 from testenv._common import ServiceUnavailable, cache_dir, go_env, log_tail
 from tests._fixtures import start_or_skip
 
-pytest_plugins = ["tests._fixtures.kube"]
-
 ROOT = Path(__file__).resolve().parents[2]
 SKAFFOLD_YAML = ROOT / "skaffold.yaml"
 SKAFFOLD_MODULE = "github.com/GoogleContainerTools/skaffold/v2"

@@ -16,7 +16,6 @@ from kubernetes.client.exceptions import ApiException
 from testenv.kube import ControlPlane
 from tests.helm._support import CHART, CRD_FILE, by_kind, crd_established, manifests, render
 
-pytest_plugins = ["tests._fixtures.kube"]
 pytestmark = pytest.mark.kube
 
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"

@@ -36,7 +36,6 @@ from tests.helm._support import (
     wait_for,
 )
 
-pytest_plugins = ["tests._fixtures.kube"]
 pytestmark = pytest.mark.kube
 
 EXAMPLE = ROOT / "examples" / "agentdispatch-sqlite.yaml"

@@ -13,8 +13,6 @@ import yaml
 from testenv.helm import run_helm
 from tests.helm._support import CHART, CRD_FILE, ROOT, by_kind, manifests, render
 
-pytest_plugins = ["tests._fixtures.kube"]
-
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 DASHBOARD_METRICS = (
     "agent_dispatch_queue_depth",
@@ -448,6 +446,8 @@ DEPLOY_FILES = (
     "scripts/sync-crd.sh",
     "hack/kind/cluster.yaml",
     "examples/agentdispatch-sqlite.yaml",
+    "docs/operations.md",
+    "README.md",
 )
 
 

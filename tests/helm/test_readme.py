@@ -15,7 +15,6 @@ from testenv.helm import run_helm
 from testenv.kube import ControlPlane
 from tests.helm._support import CRD_NAME, RELEASE, ROOT, ChartOperator, crd_established, leftovers, wait_for
 
-pytest_plugins = ["tests._fixtures.kube"]
 pytestmark = pytest.mark.kube
 
 MARKER = "<!-- The block below is run, command by command, by tests/helm/test_readme.py. -->"
