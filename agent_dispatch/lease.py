@@ -107,11 +107,11 @@ class WorkItemLeaseGuard:
             self.check()
             try:
                 self._lease = self._store.renew(self._lease, ttl_s=self._ttl_s)
+                if self._on_renew is not None:
+                    self._on_renew()  # may raise LeaseLost too (e.g. the session lock is gone)
             except LeaseLost as exc:
                 self._mark_lost(exc)
                 raise
-            if self._on_renew is not None:
-                self._on_renew()
             return self._lease
 
     def side_effect(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
@@ -173,12 +173,35 @@ def advisory_key(session_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=8).digest(), "big", signed=True)
 
 
+class SessionHold:
+    """The session lock a turn holds; :meth:`keepalive` runs with every lease renewal."""
+
+    def __init__(self, conn: Any | None = None) -> None:
+        self._conn = conn
+
+    def keepalive(self) -> None:
+        if self._conn is None:
+            return
+        try:
+            self._conn.execute("SELECT 1")
+        except Exception:
+            raise Fenced("session lock lost: its connection ended") from None
+
+
 @contextlib.contextmanager
-def _advisory_session_lock(connect: Callable[[], Any], session_id: str, timeout_s: float) -> Iterator[None]:
+def _advisory_session_lock(
+    connect: Callable[[], Any], session_id: str, timeout_s: float, idle_timeout_s: float | None
+) -> Iterator[SessionHold]:
     # A dedicated autocommit connection: the session-level advisory lock is held without an open
     # transaction, so no pooled connection sits "idle in transaction" for the whole turn.
     conn = connect()
     try:
+        if idle_timeout_s is not None:
+            # A holder that stalls (SIGSTOP, partition) past its lease loses the lock with its
+            # session; a live holder touches the connection at every renewal (SessionHold.keepalive).
+            conn.execute(
+                "SELECT set_config('idle_session_timeout', %s, false)", (f"{int(idle_timeout_s * 1000)}ms",)
+            )
         key = advisory_key(session_id)
         deadline = time.monotonic() + timeout_s
         delay = 0.01
@@ -188,7 +211,7 @@ def _advisory_session_lock(connect: Callable[[], Any], session_id: str, timeout_
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
         try:
-            yield
+            yield SessionHold(conn)
         finally:
             with contextlib.suppress(Exception):
                 conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
@@ -198,15 +221,20 @@ def _advisory_session_lock(connect: Callable[[], Any], session_id: str, timeout_
 
 @contextlib.contextmanager
 def session_execution_guard(
-    session_id: str, *, timeout_s: float, connect: Callable[[], Any] | None = None
-) -> Iterator[None]:
+    session_id: str,
+    *,
+    timeout_s: float,
+    connect: Callable[[], Any] | None = None,
+    idle_timeout_s: float | None = None,
+) -> Iterator[SessionHold]:
     """Run one session's turns one at a time: a local lock, plus a PostgreSQL advisory lock
     (``connect`` returns a new autocommit psycopg connection) when shared state is configured.
     Waits at most ``timeout_s`` and raises :class:`LeaseHeld`, so the caller can redeliver later.
+    With ``idle_timeout_s`` (the claim TTL), a stalled holder's lock is released by the server.
     """
     with _local_session_lock(session_id, timeout_s):
         if connect is None:
-            yield
+            yield SessionHold()
             return
-        with _advisory_session_lock(connect, session_id, timeout_s):
-            yield
+        with _advisory_session_lock(connect, session_id, timeout_s, idle_timeout_s) as hold:
+            yield hold

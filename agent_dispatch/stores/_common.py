@@ -112,10 +112,13 @@ class Limits:
     claim_ttl_s: float
     max_attempts: int
     max_payload_bytes: int
+    #: A stalled leader loses leadership after this long without a sweep (see try_lead).
+    leader_idle_timeout_s: float = 300.0
 
     @classmethod
     def of(cls, settings: Settings) -> Limits:
-        return cls(settings.claim_ttl_s, settings.max_attempts, settings.max_payload_bytes)
+        idle = max(settings.claim_ttl_s, 3 * settings.sweep_interval_s)
+        return cls(settings.claim_ttl_s, settings.max_attempts, settings.max_payload_bytes, idle)
 
     def ttl(self, ttl_s: float | None) -> float:
         ttl = self.claim_ttl_s if ttl_s is None else ttl_s

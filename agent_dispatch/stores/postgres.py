@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+from functools import partial
 from typing import Any, Final, TypeVar
 
 import psycopg
@@ -39,8 +40,10 @@ from agent_dispatch.errors import (
     Fenced,
     InvalidRequest,
     InvalidTransition,
+    LeaseHeld,
     NotFound,
     SchemaOutdated,
+    TenantMismatch,
 )
 from agent_dispatch.models import (
     CommitResult,
@@ -96,8 +99,15 @@ RETURN_ITEM: Final = ITEM_SELECT + ", has_dependents"
 RETURN_W: Final = ", ".join(f"w.{c}" for c in ITEM_COLUMNS) + ", w.has_dependents"
 FENCE: Final = (
     "id = %(id)s AND tenant = %(tenant)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s"
-    f" AND fencing_token = %(token)s AND state IN ('leased', 'running') AND lease_expires_at > {NOW}"
+    " AND fencing_token = %(token)s AND state IN ('leased', 'running')"
+    # Written as a difference, not ``lease_expires_at > now``: that form would tempt the planner
+    # into the lease-expiry index (cost: every live lease) instead of the primary key (one row).
+    f" AND lease_expires_at - {NOW} > interval '0'"
 )
+#: The single-statement fast path: an item nobody depends on needs nothing else in its transaction.
+NO_DEPENDENTS: Final = " AND NOT has_dependents"
+#: A claim or retry that cannot dead-letter, or can without dependents to cancel.
+NO_CASCADE: Final = " AND (attempt < max_attempts OR NOT has_dependents)"
 
 
 def _event_sql(event: str, outcome: str = "NULL", detail: str = "NULL", owner: str = "lease_owner") -> str:
@@ -245,7 +255,7 @@ _TAKE: Final = f"""
         error = CASE WHEN {_FRESH} THEN w.error
                 ELSE 'attempts exhausted (' || w.attempt || ' of ' || w.max_attempts || ')' END,
         updated_at = {NOW}
-    FROM cand WHERE w.id = cand.cid
+    FROM cand WHERE w.id = cand.cid AND cand.simple
     RETURNING {RETURN_W}, cand.prev_state, cand.prev_owner
 """
 _TAKE_EVENT: Final = f"""
@@ -264,30 +274,47 @@ _CLAIMABLE: Final = (
 
 
 def claim_next_sql(*, queue: bool, tenant: bool) -> str:
-    """The claim of the next item; separate texts per filter so each gets its own index plan."""
+    """The claim of the next item, one autocommit statement; a text per filter, each with its plan.
+
+    It leases the first claimable item, or dead-letters it when its attempts are spent. One case
+    it leaves alone: spent attempts *and* dependents, whose cancellation needs a second statement
+    in the same transaction. Then it returns only the candidate's id (``candidate``, with NULL
+    item columns) and the caller claims that item by name in a transaction, keeping the order.
+    """
     filters = (" AND queue = %(queue)s" if queue else "") + (" AND tenant = %(tenant)s" if tenant else "")
     return f"""
 WITH cand AS (
-    SELECT id AS cid, state AS prev_state, lease_owner AS prev_owner FROM {T}
+    SELECT id AS cid, state AS prev_state, lease_owner AS prev_owner,
+           (attempt < max_attempts OR NOT has_dependents) AS simple
+    FROM {T}
     WHERE {_CLAIMABLE}{filters}
     ORDER BY priority DESC, seq
     LIMIT 1
     FOR UPDATE SKIP LOCKED
 ), upd AS ({_TAKE}), ev AS ({_TAKE_EVENT})
-SELECT * FROM upd
+SELECT cand.cid AS candidate, upd.* FROM cand LEFT JOIN upd ON upd.id = cand.cid
 """
 
 
 CLAIM_NEXT: Final = {(q, t): claim_next_sql(queue=q, tenant=t) for q in (False, True) for t in (False, True)}
-CLAIM_NAMED: Final = f"""
+
+
+def claim_named_sql(*, fast: bool) -> str:
+    """The claim of one named item; ``fast`` (autocommit) leaves the spent-with-dependents case
+    to the transactional form, like the next-item claim does."""
+    simple = "(attempt < max_attempts OR NOT has_dependents)" if fast else "true"
+    return f"""
 WITH cand AS (
-    SELECT id AS cid, state AS prev_state, lease_owner AS prev_owner FROM {T}
+    SELECT id AS cid, state AS prev_state, lease_owner AS prev_owner, {simple} AS simple FROM {T}
     WHERE id = %(id)s AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s) AND {_CLAIMABLE}
     FOR UPDATE
 ), upd AS ({_TAKE}), ev AS ({_TAKE_EVENT})
 SELECT * FROM upd
 """
 
+
+CLAIM_NAMED: Final = claim_named_sql(fast=False)
+CLAIM_NAMED_FAST: Final = claim_named_sql(fast=True)
 MARK_RUNNING: Final = f"""
 WITH upd AS (
     UPDATE {T} SET state = 'running', updated_at = {NOW}
@@ -300,16 +327,26 @@ RENEW: Final = (
     f"UPDATE {T} SET lease_expires_at = {NOW} + %(ttl)s::float8 * interval '1 second', updated_at = {NOW}"
     f" WHERE {FENCE} RETURNING {ITEM_SELECT}"
 )
-COMMIT: Final = f"""
+
+
+def commit_sql(extra: str = "") -> str:
+    return f"""
 WITH upd AS (
     UPDATE {T} SET state = %(state)s, outcome = %(outcome)s, error = %(error)s,
         commit_token = fencing_token, lease_expires_at = NULL, updated_at = {NOW}
-    WHERE {FENCE}
+    WHERE {FENCE}{extra}
     RETURNING {RETURN_ITEM}
 ), ev AS ({_event_sql("'commit'", "outcome", "error")})
 SELECT * FROM upd
 """
-RETRY: Final = f"""
+
+
+COMMIT: Final = commit_sql()
+COMMIT_FAST: Final = commit_sql(NO_DEPENDENTS)
+
+
+def retry_sql(extra: str = "") -> str:
+    return f"""
 WITH upd AS (
     UPDATE {T} SET
         state = CASE WHEN attempt >= max_attempts THEN 'dead_letter' ELSE 'ready' END,
@@ -318,15 +355,19 @@ WITH upd AS (
         lease_owner = CASE WHEN attempt >= max_attempts THEN lease_owner END,
         outcome = 'failed', error = %(error)s, commit_token = fencing_token,
         lease_expires_at = NULL, updated_at = {NOW}
-    WHERE {FENCE}
+    WHERE {FENCE}{extra}
     RETURNING {RETURN_ITEM}
 ), ev AS ({
-    _event_sql(
-        "CASE WHEN state = 'ready' THEN 'retry' ELSE 'dead_letter' END", "outcome", "error", "%(owner)s"
-    )
-})
+        _event_sql(
+            "CASE WHEN state = 'ready' THEN 'retry' ELSE 'dead_letter' END", "outcome", "error", "%(owner)s"
+        )
+    })
 SELECT * FROM upd
 """
+
+
+RETRY: Final = retry_sql()
+RETRY_FAST: Final = retry_sql(NO_CASCADE)
 DEFER: Final = f"""
 WITH upd AS (
     UPDATE {T} SET state = 'ready', attempt = greatest(attempt - 1, 0),
@@ -747,18 +788,31 @@ class PostgresStore:
         ttl = self.limits.ttl(ttl_s)
         params = self._p(owner=owner, ttl=ttl, id=work_item_id, queue=queue, tenant=tenant)
         if work_item_id is not None:
+            # Fast path: one autocommit statement. When it takes nothing, find out why (or take
+            # the item in a transaction, if it must be dead-lettered with dependents to cancel).
+            fast = self._run(lambda conn: self._take(conn, CLAIM_NAMED_FAST, params), transaction=False)
+            if fast[0] is not None:
+                return fast[1]
             return self._run(lambda conn: self._claim_named(conn, params))
         sql = CLAIM_NEXT[(queue is not None, tenant is not None)]
         while True:
-            rec, lease = self._run(lambda conn: self._take(conn, sql, params))
+            rec, lease = self._run(lambda conn: self._take(conn, sql, params), transaction=False)
             if rec is None or lease is not None:
                 return lease
-            # The candidate had spent its attempts and was dead-lettered: claim the next one.
+            if rec["id"] is None:
+                # Spent attempts and dependents: dead-letter and cascade in one transaction.
+                try:
+                    lease = self._run(partial(self._claim_named, params={**params, "id": rec["candidate"]}))
+                except (LeaseHeld, InvalidTransition, NotFound, TenantMismatch):
+                    lease = None  # someone else settled it meanwhile
+                if lease is not None:
+                    return lease
+            # The candidate was dead-lettered (its attempts were spent): claim the next one.
 
     def _take(self, conn: Conn, sql: str, params: Mapping[str, Any]) -> tuple[DictRow | None, Lease | None]:
         rec = self._one(conn, sql, params)
-        if rec is None:
-            return None, None
+        if rec is None or rec["id"] is None:
+            return rec, None
         if rec["state"] == WorkState.LEASED:
             return rec, make_lease(rec)
         if rec["has_dependents"]:
@@ -828,6 +882,12 @@ class PostgresStore:
             lease, state=COMMIT_STATE[outcome].value, outcome=outcome.value, error=bound_error(error)
         )
 
+        # Fast path: nobody depends on the item, so the one conditional UPDATE is the whole
+        # transaction. Otherwise (or when refused) the transactional form decides and explains.
+        fast = self._run(lambda conn: self._one(conn, COMMIT_FAST, params), transaction=False)
+        if fast is not None:
+            return CommitResult(make_item(fast))
+
         def run(conn: Conn) -> CommitResult:
             rec = self._one(conn, COMMIT, params)
             if rec is None:
@@ -848,6 +908,10 @@ class PostgresStore:
 
     def _retry(self, lease: Lease, error: str | None) -> tuple[WorkItem, bool]:
         params = self._fence_params(lease, backoff=backoff_s(lease.attempt), error=bound_error(error))
+
+        fast = self._run(lambda conn: self._one(conn, RETRY_FAST, params), transaction=False)
+        if fast is not None:
+            return make_item(fast), False
 
         def run(conn: Conn) -> tuple[WorkItem, bool]:
             rec = self._one(conn, RETRY, params)
@@ -964,6 +1028,10 @@ class PostgresStore:
                 conn = psycopg.connect(self._dsn, autocommit=True, connect_timeout=10)
             except psycopg.OperationalError as exc:
                 raise BackendUnavailable("PostgreSQL is unavailable for leader election") from exc
+            # If this leader stalls (paused, partitioned) past the timeout, the server ends its session
+            # and so releases the lock; a live leader keeps it with the SELECT 1 above every sweep.
+            idle_ms = int(self.limits.leader_idle_timeout_s * 1000)
+            conn.execute("SELECT set_config('idle_session_timeout', %s, false)", (f"{idle_ms}ms",))
             rec = conn.execute("SELECT pg_try_advisory_lock(%s)", (_leader_key(name),)).fetchone()
             if rec is not None and rec[0]:
                 self._leaders[name] = conn

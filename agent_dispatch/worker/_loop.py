@@ -28,7 +28,7 @@ from agent_dispatch.errors import (
     NotFound,
     PoisonEnvelope,
 )
-from agent_dispatch.lease import WorkItemLeaseGuard, session_execution_guard
+from agent_dispatch.lease import SessionHold, WorkItemLeaseGuard, session_execution_guard
 from agent_dispatch.models import Lease, Outcome, WorkItem, WorkState
 from agent_dispatch.settings import Settings
 from agent_dispatch.store import WorkItemStore
@@ -234,9 +234,12 @@ class Worker:
         flight.lease = lease
         try:
             with session_execution_guard(
-                item.session_id, timeout_s=self.settings.claim_ttl_s / 2, connect=self.session_connect
-            ):
-                return self._run(delivery, envelope, lease, flight)
+                item.session_id,
+                timeout_s=self.settings.claim_ttl_s / 2,
+                connect=self.session_connect,
+                idle_timeout_s=self.settings.claim_ttl_s,
+            ) as hold:
+                return self._run(delivery, envelope, lease, flight, hold)
         except LeaseHeld:
             # The session is busy elsewhere: hand the lease back without spending an attempt.
             with contextlib.suppress(LeaseLost):
@@ -244,17 +247,29 @@ class Worker:
             self._release(delivery, BUSY_DELAY_S)
             return "session-busy"
 
-    def _run(self, delivery: Delivery, envelope: AgentTurnEnvelope, lease: Lease, flight: _InFlight) -> str:
+    def _run(
+        self,
+        delivery: Delivery,
+        envelope: AgentTurnEnvelope,
+        lease: Lease,
+        flight: _InFlight,
+        hold: SessionHold,
+    ) -> str:
         try:
             lease = self.store.mark_running(lease)
             flight.lease = lease
             payload = self.store.get_payload(envelope.job_id, tenant=envelope.tenant)
+
+            def on_renew() -> None:
+                m.LEASE_RENEWALS.inc()
+                hold.keepalive()
+
             guard = WorkItemLeaseGuard(
                 self.store,
                 lease,
                 ttl_s=self.settings.claim_ttl_s,
                 interval_s=self.settings.effective_renew_interval_s,
-                on_renew=m.LEASE_RENEWALS.inc,
+                on_renew=on_renew,
             )
             flight.guard = guard
             failure: TurnFailed | None = None
