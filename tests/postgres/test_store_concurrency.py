@@ -9,8 +9,10 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -218,4 +220,71 @@ def test_a_worker_with_a_slow_clock_does_not_keep_an_expired_lease(postgres_dsn:
         assert fresh is not None and fresh.lease_epoch == out["lease"].lease_epoch + 1
         assert pool.apply(stale_commit, (postgres_dsn, out["lease"])) == Fenced.__name__
     assert store.commit(fresh, Outcome.SUCCEEDED).item.state is WorkState.SUCCEEDED
+    store.close()
+
+
+# --- dependencies under concurrency ---------------------------------------------------------------------
+
+
+def _in_parallel(*calls: Any) -> list[Any]:
+    """Run the calls on threads released together; return their results (or exceptions)."""
+    barrier = threading.Barrier(len(calls))
+    results: list[Any] = [None] * len(calls)
+
+    def run(index: int) -> None:
+        barrier.wait(timeout=30)
+        try:
+            results[index] = calls[index]()
+        except Exception as exc:
+            results[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return results
+
+
+def _submitted_id(store: PostgresStore, request: SubmitRequest) -> str:
+    return store.submit(request).item.id
+
+
+@pytest.mark.parametrize("outcome", [Outcome.SUCCEEDED, Outcome.FAILED])
+def test_a_dependent_submitted_while_its_dependency_settles_is_never_stranded(
+    postgres_dsn: str, outcome: Outcome
+) -> None:
+    """Submits race the dependency's commit; each dependent ends ready (or cancelled), never stuck."""
+    store = _store(postgres_dsn, max_size=8)
+    store.migrate()
+    want = WorkState.READY if outcome is Outcome.SUCCEEDED else WorkState.CANCELLED
+    for _ in range(15):
+        root = store.submit(SubmitRequest(tenant="t1", kind="turn", payload=b"")).item
+        lease = store.claim("w", work_item_id=root.id)
+        assert lease is not None
+
+        request = SubmitRequest(tenant="t1", kind="turn", payload=b"", depends_on=(root.id,))
+        submits = [partial(_submitted_id, store, request) for _ in range(5)]
+        results = _in_parallel(partial(store.commit, lease, outcome), *submits)
+        assert not [r for r in results if isinstance(r, Exception)]
+        for item_id in results[1:]:
+            assert store.get(item_id).state is want, "a dependent was stranded"
+
+
+def test_two_dependencies_committing_at_once_release_their_dependent(postgres_dsn: str) -> None:
+    store = _store(postgres_dsn, max_size=4)
+    store.migrate()
+    for _ in range(20):
+        a, b = (store.submit(SubmitRequest(tenant="t1", kind="turn", payload=b"")).item for _ in range(2))
+        child = store.submit(
+            SubmitRequest(tenant="t1", kind="turn", payload=b"", depends_on=(a.id, b.id))
+        ).item
+        lease_a, lease_b = store.claim("w", work_item_id=a.id), store.claim("w", work_item_id=b.id)
+        assert lease_a is not None and lease_b is not None
+        results = _in_parallel(
+            partial(store.commit, lease_a, Outcome.SUCCEEDED),
+            partial(store.commit, lease_b, Outcome.SUCCEEDED),
+        )
+        assert not [r for r in results if isinstance(r, Exception)]
+        assert store.get(child.id).state is WorkState.READY
     store.close()
