@@ -262,12 +262,16 @@ class ChartOperator:
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.text().splitlines()[-lines:])
 
-    def forbidden(self) -> list[str]:
-        """Log lines reporting a permission error, except kopf's expected fallbacks."""
+    def forbidden(self, about: Sequence[str] = ()) -> list[str]:
+        """Log lines reporting a permission error, except kopf's expected fallbacks; with ``about``,
+        only lines naming one of those strings (a cluster-wide operator also meets objects that
+        other tests of the session left in their namespaces)."""
         return [
             line
             for line in self.text().splitlines()
-            if re.search(r"\b403\b|forbidden", line, re.IGNORECASE) and not EXPECTED_FORBIDDEN.search(line)
+            if re.search(r"\b403\b|forbidden", line, re.IGNORECASE)
+            and not EXPECTED_FORBIDDEN.search(line)
+            and (not about or any(text in line for text in about))
         ]
 
 

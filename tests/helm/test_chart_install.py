@@ -282,7 +282,7 @@ def test_cluster_wide_mode_reconciles_in_any_namespace_and_still_cannot_escalate
     deployment = _reconciled(kube_api, elsewhere, "far")
     assert deployment.metadata.namespace == elsewhere
     kube.kubectl("delete", "agentdispatch", "far", "-n", elsewhere, "--timeout=60s")
-    assert operator.forbidden() == [], operator.tail()
+    assert operator.forbidden(about=(ns, elsewhere, "cluster scope")) == [], operator.tail()
 
 
 def test_helm_upgrade_changes_the_operator_and_leaves_agentdispatches_alone(
