@@ -146,10 +146,15 @@ def test_operator_with_the_chart_token_reconciles_an_agentdispatch(
     owner = deployment.metadata.owner_references[0]
     assert (owner.kind, owner.name, owner.controller) == ("AgentDispatch", "example", True)
     client.CoreV1Api(kube_api).read_namespaced_service("example-worker", ns)
-    events = client.CoreV1Api(kube_api).list_namespaced_event(ns).items
-    assert any(e.involved_object.name == "example" and e.reason == "Created" for e in events), [
-        (e.reason, e.message) for e in events
-    ]
+    # kopf posts events from a background queue: they may trail the reconcile by a moment.
+    wait_for(
+        lambda: any(
+            e.involved_object.name == "example" and e.reason == "Created"
+            for e in client.CoreV1Api(kube_api).list_namespaced_event(ns).items
+        ),
+        30,
+        what="a Created event posted with the operator's token",
+    )
 
     # A worker, with the worker ServiceAccount's own token, publishes its heartbeat Lease; the
     # operator (allowed to list Leases) folds it into .status.
