@@ -89,7 +89,7 @@ def settings_report(settings: Settings) -> Check:
         ),
         "kafka_topic": settings.kafka_topic,
         "signing_key": "set" if settings.signing_key else "unset",
-        "data_dir": "set" if "AGENT_DISPATCH_DATA_DIR" in os.environ else "default",
+        "data_dir": "set" if "data_dir" in settings.model_fields_set else "default",
     }
     return Check("settings", "ok", f"valid; backend {settings.backend.value}", data)
 

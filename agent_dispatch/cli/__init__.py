@@ -11,8 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from agent_dispatch import settings as settings_module
-from agent_dispatch.cli import _gateway, _jobs, _submit, _up
+from agent_dispatch.cli import _gateway, _jobs, _submit, _up, _worker
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -41,15 +40,6 @@ def _operator(args: argparse.Namespace) -> int:
     return run_operator(args)
 
 
-def _not_yet(name: str) -> Handler:
-    def handler(args: argparse.Namespace) -> int:
-        settings_module.load_or_exit(f"agent-dispatch {name}")
-        print(f"agent-dispatch {name}: not available in this build yet", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-
-    return handler
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agent-dispatch",
@@ -62,13 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(handler=_doctor)
 
-    for name, help_text in [
-        ("worker", "run a worker (same as agent-dispatch-worker)"),
-    ]:
-        sub.add_parser(name, help=help_text).set_defaults(handler=_not_yet(name))
-
     for module in (_up, _submit, _jobs, _gateway):
         module.register(sub)
+
+    _worker.register(sub)
 
     sub.add_parser("migrate", help="create or upgrade the WorkItem and queue schema").set_defaults(
         handler=_migrate
