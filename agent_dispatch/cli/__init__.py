@@ -28,7 +28,8 @@ def _doctor(args: argparse.Namespace) -> int:
     return run_doctor(args)
 
 
-def _migrate(args: argparse.Namespace) -> int:
+def _run_migrate(args: argparse.Namespace) -> int:
+    # Not named ``_migrate``: importing the submodule of that name would rebind it on this package.
     from agent_dispatch.cli._migrate import run_migrate
 
     return run_migrate(args)
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _worker.register(sub)
 
     sub.add_parser("migrate", help="create or upgrade the WorkItem and queue schema").set_defaults(
-        handler=_migrate
+        handler=_run_migrate
     )
 
     operator = sub.add_parser(

@@ -9,6 +9,7 @@ SQL. Every store a harness opens gets the same offset, so two stores agree on th
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,29 @@ class Harness:
         self.opened.clear()
 
 
+@pytest.fixture(scope="session")
+def store_postgres_dsn(postgres_server: Any) -> Iterator[str]:
+    """One migrated database shared by the store tests, emptied before each (creating a database
+    per test costs far more than the tests themselves)."""
+    name = f"store_{uuid.uuid4().hex[:12]}"
+    dsn: str = postgres_server.create_database(name)
+    store = PostgresStore(dsn, store_settings(), max_size=1)
+    store.migrate()
+    store.close()
+    yield dsn
+    postgres_server.drop_database(name)
+
+
+def reset_postgres(dsn: str) -> None:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # Row triggers keep outcomes append-only; TRUNCATE is the test reset, not an update.
+        conn.execute(
+            "TRUNCATE agent_dispatch_work_items, agent_dispatch_dependencies, agent_dispatch_outcomes"
+        )
+
+
 @contextlib.contextmanager
 def open_harness(
     backend: str, request: pytest.FixtureRequest, tmp_path: Path, settings: Settings | None = None
@@ -98,7 +122,8 @@ def open_harness(
         path = tmp_path / "store.sqlite3"
         harness = Harness(backend, settings, lambda: SqliteStore(path, settings))
     elif backend == "postgres":
-        dsn: str = request.getfixturevalue("postgres_dsn")
+        dsn: str = request.getfixturevalue("store_postgres_dsn")
+        reset_postgres(dsn)
         harness = Harness(backend, settings, lambda: PostgresStore(dsn, settings, max_size=4))
     else:  # pragma: no cover - a typo in a parametrisation
         raise ValueError(backend)

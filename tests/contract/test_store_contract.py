@@ -8,6 +8,7 @@ stores' explicit clock-offset test hook for the databases), never by sleeping.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -36,7 +37,14 @@ from agent_dispatch.stores import postgres as postgres_module
 from agent_dispatch.stores import sqlite as sqlite_module
 from agent_dispatch.stores.postgres import PostgresStore
 from agent_dispatch.stores.sqlite import SqliteStore
-from tests.contract._store_harness import BACKENDS, DB_BACKENDS, Harness, open_harness, store_settings
+from tests.contract._store_harness import (  # noqa: F401 (store_postgres_dsn is a fixture)
+    BACKENDS,
+    DB_BACKENDS,
+    Harness,
+    open_harness,
+    store_postgres_dsn,
+    store_settings,
+)
 
 TTL = 60.0  # the harness settings' claim TTL
 
@@ -783,22 +791,30 @@ def test_one_leader_at_a_time(h: Harness) -> None:
     assert b.try_lead("recovery-sweep")
 
 
+def _fresh_store(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> WorkItemStore:
+    """A store on a database of its own (these tests change the schema)."""
+    if backend == "sqlite":
+        return SqliteStore(tmp_path / "own.sqlite3", store_settings())
+    return PostgresStore(request.getfixturevalue("postgres_dsn"), store_settings(), max_size=2)
+
+
 @pytest.mark.parametrize("backend", DB_BACKENDS)
 def test_an_older_schema_is_refused_until_migrated(
     backend: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The database is at the current version; the code is one version newer and refuses it."""
-    with open_harness(backend, request, tmp_path) as harness:
-        assert harness.store.migrate() == SCHEMA_VERSION  # idempotent
-        module = {"sqlite": sqlite_module, "postgres": postgres_module}[backend]
-        newer = SCHEMA_VERSION + 1
-        monkeypatch.setattr(module, "SCHEMA_VERSION", newer)
-        monkeypatch.setattr(
-            module,
-            "MIGRATIONS",
-            {**module.MIGRATIONS, newer: ["CREATE TABLE agent_dispatch_probe (x integer)"]},
-        )
-        stale = harness.open()
+    current = _fresh_store(backend, request, tmp_path)
+    assert current.migrate() == SCHEMA_VERSION
+    assert current.migrate() == SCHEMA_VERSION  # idempotent
+    current.close()
+    module = {"sqlite": sqlite_module, "postgres": postgres_module}[backend]
+    newer = SCHEMA_VERSION + 1
+    monkeypatch.setattr(module, "SCHEMA_VERSION", newer)
+    monkeypatch.setattr(
+        module, "MIGRATIONS", {**module.MIGRATIONS, newer: ["CREATE TABLE agent_dispatch_probe (x integer)"]}
+    )
+    stale = _fresh_store(backend, request, tmp_path)
+    try:
         for call in (
             lambda: stale.get("x"),
             lambda: stale.claim("w"),
@@ -813,18 +829,15 @@ def test_an_older_schema_is_refused_until_migrated(
         assert stale.migrate() == newer
         with pytest.raises(NotFound):
             stale.get("x")
+    finally:
+        stale.close()
 
 
 @pytest.mark.parametrize("backend", DB_BACKENDS)
 def test_an_empty_database_is_refused_until_migrated(
     backend: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    settings = store_settings()
-    store: WorkItemStore
-    if backend == "sqlite":
-        store = SqliteStore(tmp_path / "empty.sqlite3", settings)
-    else:
-        store = PostgresStore(request.getfixturevalue("postgres_dsn"), settings, max_size=2)
+    store = _fresh_store(backend, request, tmp_path)
     try:
         with pytest.raises(SchemaOutdated, match=r"version 0.*run agent-dispatch migrate"):
             store.list_items(tenant="t")
@@ -854,3 +867,32 @@ def test_open_store_picks_postgres_with_a_database_uri(postgres_dsn: str, tmp_pa
         assert store.now().tzinfo == UTC
     finally:
         store.close()
+
+
+def test_threads_racing_to_claim_commit_each_item_exactly_once(h: Harness) -> None:
+    """Several threads share one store object (the in-process case for every backend)."""
+    s = h.store
+    items = {submit(s, tenant=f"t{i % 3}").id for i in range(120)}
+    committed: list[str] = []
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def work(owner: str) -> None:
+        try:
+            while (lease := s.claim(owner)) is not None:
+                s.mark_running(lease)
+                s.commit(lease, Outcome.SUCCEEDED)
+                with lock:
+                    committed.append(lease.work_item_id)
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(f"w{n}",)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert failures == []
+    assert sorted(committed) == sorted(items)
+    tokens = [s.get(item_id).fencing_token for item_id in items]
+    assert len(set(tokens)) == len(tokens)
