@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
 # The whole test suite: installs the project into .venv, builds or downloads PostgreSQL, Kafka,
-# etcd, kube-apiserver and helm into ~/.cache/agent-dispatch (once; cached by version), runs the
-# quality gates, then pytest, which starts each service on loopback as the tests need it.
-# Extra arguments go to pytest (e.g. `bash scripts/test.sh -m postgres`).
-set -euo pipefail
+# etcd, kube-apiserver, kube-controller-manager, kubectl and helm into ~/.cache/agent-dispatch
+# (once; cached by version), runs the quality gates, then pytest, which starts each service on
+# loopback as the tests need it. Extra arguments go to pytest (`bash scripts/test.sh -m postgres`).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 
 started=$(date +%s)
+set -e
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
-
 .venv/bin/python -m testenv install
 echo "[test.sh] set-up took $(( $(date +%s) - started ))s"
+set +e
 
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-.venv/bin/mypy
-.venv/bin/lint-imports
+failed=()
+.venv/bin/ruff check . || failed+=("ruff check")
+.venv/bin/ruff format --check . || failed+=("ruff format")
+.venv/bin/mypy || failed+=("mypy")
+.venv/bin/lint-imports || failed+=("import-linter")
 
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "$@" || failed+=("pytest")
+
 echo "[test.sh] total $(( $(date +%s) - started ))s"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "[test.sh] FAILED: ${failed[*]}"
+  exit 1
+fi

@@ -18,12 +18,18 @@ def ensure_helm() -> Path:
     out = bin_path("helm", HELM_VERSION)
     if not out.is_file():
         build_go_programs(
-            key=f"helm-{HELM_VERSION}", module="helm.sh/helm/v4", version=HELM_VERSION,
+            key=f"helm-{HELM_VERSION}",
+            module="helm.sh/helm/v4",
+            version=HELM_VERSION,
             programs={"helm": "helm.sh/helm/v4/cmd/helm"},
             # What helm's Makefile stamps for a tagged release: the version, no "unreleased" metadata.
-            ldflags=["-s", "-w", f"-X helm.sh/helm/v4/internal/version.version={HELM_VERSION}",
-                     "-X helm.sh/helm/v4/internal/version.metadata=",
-                     "-X helm.sh/helm/v4/internal/version.gitTreeState=clean"],
+            ldflags=[
+                "-s",
+                "-w",
+                f"-X helm.sh/helm/v4/internal/version.version={HELM_VERSION}",
+                "-X helm.sh/helm/v4/internal/version.metadata=",
+                "-X helm.sh/helm/v4/internal/version.gitTreeState=clean",
+            ],
             outputs={"helm": out},
         )
     return out
@@ -33,24 +39,32 @@ def helm_env(home: Path | None = None, kubeconfig: Path | None = None) -> dict[s
     """Environment that keeps helm's config, cache and data out of the user's home directory."""
     root = home or cache_dir("helm-home")
     env = dict(os.environ)
-    env.update({
-        "HELM_CACHE_HOME": str(root / "cache"),
-        "HELM_CONFIG_HOME": str(root / "config"),
-        "HELM_DATA_HOME": str(root / "data"),
-    })
+    env.update(
+        {
+            "HELM_CACHE_HOME": str(root / "cache"),
+            "HELM_CONFIG_HOME": str(root / "config"),
+            "HELM_DATA_HOME": str(root / "data"),
+        }
+    )
     if kubeconfig is not None:
         env["KUBECONFIG"] = str(kubeconfig)
     return env
 
 
-def run_helm(*args: str, helm: Path | None = None, home: Path | None = None,
-             kubeconfig: Path | None = None, timeout: float = HELM_TIMEOUT_S,
-             check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_helm(
+    *args: str,
+    helm: Path | None = None,
+    home: Path | None = None,
+    kubeconfig: Path | None = None,
+    timeout: float = HELM_TIMEOUT_S,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
     """Run helm with an isolated home (and optionally a kubeconfig); errors carry helm's stderr."""
     cmd = [str(helm or ensure_helm()), *args]
     try:
-        proc = subprocess.run(cmd, env=helm_env(home, kubeconfig), capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        proc = subprocess.run(
+            cmd, env=helm_env(home, kubeconfig), capture_output=True, text=True, timeout=timeout, check=False
+        )
     except subprocess.TimeoutExpired as exc:
         raise ServiceUnavailable(f"helm {' '.join(args)} timed out after {timeout}s") from exc
     if check and proc.returncode != 0:

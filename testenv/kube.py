@@ -101,8 +101,15 @@ def _download_module(module: str, version: str, *, env: Mapping[str, str], log: 
         raise ServiceUnavailable(f"no Go toolchain on PATH: cannot build from {module}")
     cmd = ["go", "mod", "download", "-json", f"{module}@{version}"]
     try:
-        proc = subprocess.run(cmd, cwd=cache_dir("build"), env=dict(env), capture_output=True, text=True,
-                              timeout=600, check=False)
+        proc = subprocess.run(
+            cmd,
+            cwd=cache_dir("build"),
+            env=dict(env),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
     except subprocess.TimeoutExpired as exc:
         raise ServiceUnavailable(f"go mod download {module}@{version} timed out") from exc
     with log.open("a") as out:
@@ -120,9 +127,16 @@ def _go_directive(go_mod_text: str) -> str:
     return match.group(1) if match else "1.22"
 
 
-def build_go_programs(*, key: str, module: str, version: str, programs: Mapping[str, str],
-                      ldflags: Sequence[str], outputs: Mapping[str, Path],
-                      extra_go_mod: str = "") -> None:
+def build_go_programs(
+    *,
+    key: str,
+    module: str,
+    version: str,
+    programs: Mapping[str, str],
+    ldflags: Sequence[str],
+    outputs: Mapping[str, Path],
+    extra_go_mod: str = "",
+) -> None:
     """Build ``programs`` (binary name -> package) from a throwaway module requiring ``module@version``.
 
     The module directory lives in the cache so go.sum persists; binaries are built into a scratch
@@ -144,21 +158,44 @@ def build_go_programs(*, key: str, module: str, version: str, programs: Mapping[
         scratch = Path(tempfile.mkdtemp(prefix="out-", dir=module_dir))
         try:
             for name, package in programs.items():
-                _build_one(name, package, module_dir=module_dir, scratch=scratch, env=env,
-                           ldflags=ldflags, log=log)
+                _build_one(
+                    name, package, module_dir=module_dir, scratch=scratch, env=env, ldflags=ldflags, log=log
+                )
                 outputs[name].parent.mkdir(parents=True, exist_ok=True)
                 os.replace(scratch / name, outputs[name])
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _build_one(name: str, package: str, *, module_dir: Path, scratch: Path, env: Mapping[str, str],
-               ldflags: Sequence[str], log: Path) -> None:
+def _build_one(
+    name: str,
+    package: str,
+    *,
+    module_dir: Path,
+    scratch: Path,
+    env: Mapping[str, str],
+    ldflags: Sequence[str],
+    log: Path,
+) -> None:
     progress(f"building {name} from {package} (a cold build takes minutes; cached afterwards)")
     started = time.monotonic()
-    run_logged(["go", "build", "-mod=mod", "-trimpath", "-ldflags", " ".join(ldflags),
-                "-o", scratch / name, package],
-               log, cwd=module_dir, env=dict(env), timeout=BUILD_TIMEOUT_S)
+    run_logged(
+        [
+            "go",
+            "build",
+            "-mod=mod",
+            "-trimpath",
+            "-ldflags",
+            " ".join(ldflags),
+            "-o",
+            scratch / name,
+            package,
+        ],
+        log,
+        cwd=module_dir,
+        env=dict(env),
+        timeout=BUILD_TIMEOUT_S,
+    )
     progress(f"built {name} in {time.monotonic() - started:.0f}s")
 
 
@@ -170,8 +207,13 @@ def _staging_version(kubernetes_version: str) -> str:
 def _staging_replaces(kubernetes_go_mod: str, staging_version: str) -> str:
     """k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with ./staging paths,
     which a dependent module cannot see: point each at its published release instead."""
-    names = sorted(set(re.findall(r"^\s*(?:require\s+)?(k8s\.io/[\w.\-/]+)\s+v0\.0\.0\s*$",
-                                  kubernetes_go_mod, re.MULTILINE)))
+    names = sorted(
+        set(
+            re.findall(
+                r"^\s*(?:require\s+)?(k8s\.io/[\w.\-/]+)\s+v0\.0\.0\s*$", kubernetes_go_mod, re.MULTILINE
+            )
+        )
+    )
     return "".join(f"replace {name} => {name} {staging_version}\n" for name in names)
 
 
@@ -181,8 +223,14 @@ def _kubernetes_ldflags(version: str, info_file: Path) -> list[str]:
     commit = str(info.get("Origin", {}).get("Hash", ""))
     build_date = str(info.get("Time", "1970-01-01T00:00:00Z")).replace("+00:00", "Z")
     major, minor = version.removeprefix("v").split(".")[:2]
-    values = {"gitVersion": version, "gitMajor": major, "gitMinor": minor, "gitCommit": commit,
-              "gitTreeState": "clean", "buildDate": build_date}
+    values = {
+        "gitVersion": version,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitCommit": commit,
+        "gitTreeState": "clean",
+        "buildDate": build_date,
+    }
     flags = ["-s", "-w"]
     for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
         flags += [f"-X {package}.{key}={value}" for key, value in values.items() if value]
@@ -192,9 +240,14 @@ def _kubernetes_ldflags(version: str, info_file: Path) -> list[str]:
 def _ensure_etcd() -> Path:
     out = bin_path("etcd", ETCD_VERSION)
     if not out.is_file():
-        build_go_programs(key=f"etcd-{ETCD_VERSION}", module="go.etcd.io/etcd/server/v3",
-                          version=ETCD_VERSION, programs={"etcd": "go.etcd.io/etcd/server/v3"},
-                          ldflags=["-s", "-w"], outputs={"etcd": out})
+        build_go_programs(
+            key=f"etcd-{ETCD_VERSION}",
+            module="go.etcd.io/etcd/server/v3",
+            version=ETCD_VERSION,
+            programs={"etcd": "go.etcd.io/etcd/server/v3"},
+            ldflags=["-s", "-w"],
+            outputs={"etcd": out},
+        )
     return out
 
 
@@ -204,15 +257,19 @@ def _ensure_kubernetes() -> dict[str, Path]:
         return outputs
     key = f"kubernetes-{KUBERNETES_VERSION}"
     # The replace lines depend on k8s.io/kubernetes' own go.mod, so fetch that first.
-    info = _download_module("k8s.io/kubernetes", KUBERNETES_VERSION, env=go_env(),
-                            log=cache_dir("build", key) / "build.log")
+    info = _download_module(
+        "k8s.io/kubernetes", KUBERNETES_VERSION, env=go_env(), log=cache_dir("build", key) / "build.log"
+    )
     replaces = _staging_replaces(Path(info["GoMod"]).read_text(), _staging_version(KUBERNETES_VERSION))
     if not replaces:
         raise ServiceUnavailable(f"no staging modules found in k8s.io/kubernetes {KUBERNETES_VERSION}")
     build_go_programs(
-        key=key, module="k8s.io/kubernetes", version=KUBERNETES_VERSION,
+        key=key,
+        module="k8s.io/kubernetes",
+        version=KUBERNETES_VERSION,
         programs={name: f"k8s.io/kubernetes/cmd/{name}" for name in KUBE_BINARIES},
-        ldflags=_kubernetes_ldflags(KUBERNETES_VERSION, Path(info["Info"])), outputs=outputs,
+        ldflags=_kubernetes_ldflags(KUBERNETES_VERSION, Path(info["Info"])),
+        outputs=outputs,
         extra_go_mod="\n" + replaces,
     )
     return outputs
@@ -236,13 +293,20 @@ def _write_pem(path: Path, data: bytes) -> None:
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
-def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, *, issuer: x509.Name | None,
-                 issuer_key: ec.EllipticCurvePrivateKey, ca: bool,
-                 sans: Sequence[x509.GeneralName] = ()) -> x509.Certificate:
+def _certificate(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    *,
+    issuer: x509.Name | None,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    ca: bool,
+    sans: Sequence[x509.GeneralName] = (),
+) -> x509.Certificate:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     now = dt.datetime.now(dt.UTC)
     builder = (
@@ -257,13 +321,23 @@ def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, *, issuer: x509.
     )
     if ca:
         builder = builder.add_extension(
-            x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                          content_commitment=False, key_encipherment=False, data_encipherment=False,
-                          key_agreement=False, encipher_only=False, decipher_only=False),
-            critical=True)
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
     else:
         builder = builder.add_extension(
-            x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
+        )
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
     return builder.sign(issuer_key, hashes.SHA256())
@@ -280,22 +354,35 @@ def _generate_pki(pki: Path) -> None:
     ca_cert = _certificate("agent-dispatch-test-ca", ca_key, issuer=None, issuer_key=ca_key, ca=True)
     service_ip = next(ipaddress.IPv4Network(SERVICE_CLUSTER_IP_RANGE).hosts())
     sans: list[x509.GeneralName] = [
-        x509.IPAddress(ipaddress.IPv4Address("127.0.0.1")), x509.IPAddress(service_ip),
-        *(x509.DNSName(name) for name in ("localhost", "kubernetes", "kubernetes.default",
-                                          "kubernetes.default.svc",
-                                          "kubernetes.default.svc.cluster.local")),
+        x509.IPAddress(ipaddress.IPv4Address("127.0.0.1")),
+        x509.IPAddress(service_ip),
+        *(
+            x509.DNSName(name)
+            for name in (
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            )
+        ),
     ]
     server_key = ec.generate_private_key(ec.SECP256R1())
-    server_cert = _certificate("kube-apiserver", server_key, issuer=ca_cert.subject, issuer_key=ca_key,
-                               ca=False, sans=sans)
+    server_cert = _certificate(
+        "kube-apiserver", server_key, issuer=ca_cert.subject, issuer_key=ca_key, ca=False, sans=sans
+    )
     sa_key = ec.generate_private_key(ec.SECP256R1())
     _write_pem(pki / "ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM))
     _write_pem(pki / "ca.key", _key_pem(ca_key))
     _write_pem(pki / "apiserver.crt", server_cert.public_bytes(serialization.Encoding.PEM))
     _write_pem(pki / "apiserver.key", _key_pem(server_key))
     _write_pem(pki / "sa.key", _key_pem(sa_key))
-    _write_pem(pki / "sa.pub", sa_key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    _write_pem(
+        pki / "sa.pub",
+        sa_key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        ),
+    )
 
 
 def write_kubeconfig(path: Path, *, server: str, ca_file: Path, user: str, token: str) -> Path:
@@ -305,9 +392,15 @@ def write_kubeconfig(path: Path, *, server: str, ca_file: Path, user: str, token
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "agent-dispatch-test", "cluster": {
-            "server": server,
-            "certificate-authority-data": base64.b64encode(ca_file.read_bytes()).decode()}}],
+        "clusters": [
+            {
+                "name": "agent-dispatch-test",
+                "cluster": {
+                    "server": server,
+                    "certificate-authority-data": base64.b64encode(ca_file.read_bytes()).decode(),
+                },
+            }
+        ],
         "users": [{"name": user, "user": {"token": token}}],
         "contexts": [{"name": user, "context": {"cluster": "agent-dispatch-test", "user": user}}],
         "current-context": user,
@@ -334,8 +427,9 @@ def _spawn(cmd: Sequence[str | os.PathLike[str]], log: Path) -> subprocess.Popen
     with log.open("ab") as out:
         out.write(f"\n$ {' '.join(map(str, cmd))}\n".encode())
         out.flush()
-        return subprocess.Popen(list(map(str, cmd)), stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        return subprocess.Popen(
+            list(map(str, cmd)), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
 
 
 class ControlPlane:
@@ -380,8 +474,10 @@ class ControlPlane:
         except BaseException:
             self.stop()
             raise
-        progress(f"kube-apiserver {self.version} ready at {self.server} "
-                 f"in {time.monotonic() - started:.1f}s (logs: {self.log_dir})")
+        progress(
+            f"kube-apiserver {self.version} ready at {self.server} "
+            f"in {time.monotonic() - started:.1f}s (logs: {self.log_dir})"
+        )
         return self
 
     def _prepare_credentials(self) -> None:
@@ -392,8 +488,9 @@ class ControlPlane:
         )
         self.port = free_port()
         self.server = f"https://127.0.0.1:{self.port}"
-        write_kubeconfig(self.kubeconfig, server=self.server, ca_file=self.ca_file, user=ADMIN_USER,
-                         token=self.token)
+        write_kubeconfig(
+            self.kubeconfig, server=self.server, ca_file=self.ca_file, user=ADMIN_USER, token=self.token
+        )
 
     def stop(self) -> None:
         """Stop every process (controller-manager, apiserver, etcd) and remove the scratch directory."""
@@ -428,21 +525,23 @@ class ControlPlane:
         self.etcd_url = f"http://127.0.0.1:{client_port}"
         peer_url = f"http://127.0.0.1:{self._etcd_peer_port}"
         log = self.log_dir / "etcd.log"
-        self._etcd = _spawn([
-            self._bin("etcd"),
-            "--name=agent-dispatch-test",
-            f"--data-dir={self.workdir / 'etcd'}",
-            f"--listen-client-urls={self.etcd_url}",
-            f"--advertise-client-urls={self.etcd_url}",
-            f"--listen-peer-urls={peer_url}",
-            f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster=agent-dispatch-test={peer_url}",
-            # As envtest: a throwaway store does not need fsync, and fsync dominates on slow disks.
-            "--unsafe-no-fsync=true",
-            "--log-level=warn",
-        ], log)
-        wait_until(self._etcd_healthy, timeout=ETCD_READY_TIMEOUT_S, what="etcd", log=log,
-                   proc=self._etcd)
+        self._etcd = _spawn(
+            [
+                self._bin("etcd"),
+                "--name=agent-dispatch-test",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls={self.etcd_url}",
+                f"--advertise-client-urls={self.etcd_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=agent-dispatch-test={peer_url}",
+                # As envtest: a throwaway store does not need fsync, and fsync dominates on slow disks.
+                "--unsafe-no-fsync=true",
+                "--log-level=warn",
+            ],
+            log,
+        )
+        wait_until(self._etcd_healthy, timeout=ETCD_READY_TIMEOUT_S, what="etcd", log=log, proc=self._etcd)
 
     def _etcd_healthy(self) -> bool:
         with urllib.request.urlopen(f"{self.etcd_url}/health", timeout=2) as response:
@@ -482,15 +581,22 @@ class ControlPlane:
     def _start_apiserver(self) -> None:
         log = self.log_dir / "kube-apiserver.log"
         self._apiserver = _spawn(self._apiserver_args(), log)
-        wait_until(self._apiserver_ready, timeout=APISERVER_READY_TIMEOUT_S, what="kube-apiserver",
-                   log=log, proc=self._apiserver, interval=0.5)
+        wait_until(
+            self._apiserver_ready,
+            timeout=APISERVER_READY_TIMEOUT_S,
+            what="kube-apiserver",
+            log=log,
+            proc=self._apiserver,
+            interval=0.5,
+        )
 
     def _ssl_context(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.ca_file))
 
     def _get(self, path: str, timeout: float = 5) -> tuple[int, bytes]:
-        request = urllib.request.Request(f"{self.server}{path}",
-                                         headers={"Authorization": f"Bearer {self.token}"})
+        request = urllib.request.Request(
+            f"{self.server}{path}", headers={"Authorization": f"Bearer {self.token}"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout, context=self._ssl_context()) as resp:
                 return int(resp.status), resp.read()
@@ -500,8 +606,10 @@ class ControlPlane:
     def _get_json(self, path: str) -> dict[str, Any]:
         status, body = self._get(path)
         if status != 200:
-            raise ServiceUnavailable(f"GET {path} answered {status}: {body[:300]!r}\n"
-                                     f"{log_tail(self.log_dir / 'kube-apiserver.log')}")
+            raise ServiceUnavailable(
+                f"GET {path} answered {status}: {body[:300]!r}\n"
+                f"{log_tail(self.log_dir / 'kube-apiserver.log')}"
+            )
         result: dict[str, Any] = json.loads(body)
         return result
 
@@ -523,49 +631,73 @@ class ControlPlane:
         are emptied and removed."""
         if self._controller_manager is not None and self._controller_manager.poll() is None:
             return
-        kubeconfig = write_kubeconfig(self.workdir / "controller-manager.kubeconfig", server=self.server,
-                                      ca_file=self.ca_file, user=CONTROLLER_MANAGER_USER,
-                                      token=self._controller_manager_token)
+        kubeconfig = write_kubeconfig(
+            self.workdir / "controller-manager.kubeconfig",
+            server=self.server,
+            ca_file=self.ca_file,
+            user=CONTROLLER_MANAGER_USER,
+            token=self._controller_manager_token,
+        )
         pki = self.pki_dir
         port = free_port()
         log = self.log_dir / "kube-controller-manager.log"
-        self._controller_manager = _spawn([
-            self._bin("kube-controller-manager"),
-            f"--kubeconfig={kubeconfig}",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={port}",
-            f"--cert-dir={self.workdir / 'controller-manager-certs'}",
-            "--leader-elect=false",
-            # Each controller runs as its own ServiceAccount under the bootstrap RBAC roles, as in a
-            # real cluster; the manager's own user only has system:kube-controller-manager.
-            "--use-service-account-credentials=true",
-            # Enables the ServiceAccount token controller (legacy token Secrets) and root CA publisher.
-            f"--service-account-private-key-file={pki / 'sa.key'}",
-            f"--root-ca-file={pki / 'ca.crt'}",
-            f"--cluster-signing-cert-file={pki / 'ca.crt'}",
-            f"--cluster-signing-key-file={pki / 'ca.key'}",
-            f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
-            "--profiling=false",
-            "--v=1",
-        ], log)
+        self._controller_manager = _spawn(
+            [
+                self._bin("kube-controller-manager"),
+                f"--kubeconfig={kubeconfig}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                f"--cert-dir={self.workdir / 'controller-manager-certs'}",
+                "--leader-elect=false",
+                # Each controller runs as its own ServiceAccount under the bootstrap RBAC roles, as in a
+                # real cluster; the manager's own user only has system:kube-controller-manager.
+                "--use-service-account-credentials=true",
+                # Enables the ServiceAccount token controller (legacy token Secrets) and root CA publisher.
+                f"--service-account-private-key-file={pki / 'sa.key'}",
+                f"--root-ca-file={pki / 'ca.crt'}",
+                f"--cluster-signing-cert-file={pki / 'ca.crt'}",
+                f"--cluster-signing-key-file={pki / 'ca.key'}",
+                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+                "--profiling=false",
+                "--v=1",
+            ],
+            log,
+        )
         # Ready means its controllers act: the ServiceAccount controller fills the default namespace.
-        wait_until(self._default_service_account_exists, timeout=CONTROLLER_MANAGER_READY_TIMEOUT_S,
-                   what="kube-controller-manager", log=log, proc=self._controller_manager, interval=0.5)
+        wait_until(
+            self._default_service_account_exists,
+            timeout=CONTROLLER_MANAGER_READY_TIMEOUT_S,
+            what="kube-controller-manager",
+            log=log,
+            proc=self._controller_manager,
+            interval=0.5,
+        )
 
     def _default_service_account_exists(self) -> bool:
         return self._get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200
 
     # -- helpers for tests -------------------------------------------------------------------------
 
-    def kubectl(self, *args: str, input: str | None = None, timeout: float = KUBECTL_TIMEOUT_S,
-                check: bool = True, kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,
+        timeout: float = KUBECTL_TIMEOUT_S,
+        check: bool = True,
+        kubeconfig: Path | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         """Run the built kubectl against this control plane (admin unless ``kubeconfig`` is given)."""
-        cmd = [str(self._bin("kubectl")), f"--kubeconfig={kubeconfig or self.kubeconfig}",
-               # A per-run discovery cache: ports are reused across runs with different CRDs.
-               f"--cache-dir={self.workdir / 'kubectl-cache'}", *args]
+        cmd = [
+            str(self._bin("kubectl")),
+            f"--kubeconfig={kubeconfig or self.kubeconfig}",
+            # A per-run discovery cache: ports are reused across runs with different CRDs.
+            f"--cache-dir={self.workdir / 'kubectl-cache'}",
+            *args,
+        ]
         try:
-            proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout,
-                                  check=False)
+            proc = subprocess.run(
+                cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False
+            )
         except subprocess.TimeoutExpired as exc:
             raise ServiceUnavailable(f"kubectl {' '.join(args)} timed out after {timeout}s") from exc
         if check and proc.returncode != 0:
@@ -575,8 +707,13 @@ class ControlPlane:
     def kubeconfig_for_token(self, token: str, name: str) -> Path:
         """A kubeconfig for another identity, e.g. a ServiceAccount token from the TokenRequest API."""
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-        return write_kubeconfig(self.workdir / f"{safe}.kubeconfig", server=self.server,
-                                ca_file=self.ca_file, user=name, token=token)
+        return write_kubeconfig(
+            self.workdir / f"{safe}.kubeconfig",
+            server=self.server,
+            ca_file=self.ca_file,
+            user=name,
+            token=token,
+        )
 
     @property
     def env(self) -> dict[str, str]:

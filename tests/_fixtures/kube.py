@@ -59,8 +59,11 @@ def kube_namespace(kube_api: client.ApiClient, request: pytest.FixtureRequest) -
     """A fresh namespace for one test, deleted afterwards (without waiting for finalization)."""
     core = client.CoreV1Api(kube_api)
     name = _namespace_name(request.node.name)
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
-        name=name, labels={"agent-dispatch.test/owner": "pytest"})))
+    core.create_namespace(
+        client.V1Namespace(
+            metadata=client.V1ObjectMeta(name=name, labels={"agent-dispatch.test/owner": "pytest"})
+        )
+    )
     try:
         yield name
     finally:

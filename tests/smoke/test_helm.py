@@ -28,8 +28,9 @@ data:
 def _write_chart(root: Path) -> Path:
     chart = root / "smoke"
     (chart / "templates").mkdir(parents=True)
-    (chart / "Chart.yaml").write_text(yaml.safe_dump(
-        {"apiVersion": "v2", "name": "smoke", "version": "0.1.0", "appVersion": "1.2.3"}))
+    (chart / "Chart.yaml").write_text(
+        yaml.safe_dump({"apiVersion": "v2", "name": "smoke", "version": "0.1.0", "appVersion": "1.2.3"})
+    )
     (chart / "values.yaml").write_text(yaml.safe_dump({"message": "hello", "replicas": 2}))
     (chart / "templates" / "configmap.yaml").write_text(CONFIGMAP_TEMPLATE)
     return chart
@@ -43,14 +44,28 @@ def test_helm_reports_the_pinned_version(helm_bin: Path) -> None:
 def test_helm_template_renders_a_throwaway_chart(helm_bin: Path, tmp_path: Path) -> None:
     chart = _write_chart(tmp_path)
 
-    rendered = run_helm("template", "rel", str(chart), "--namespace", "smoke-ns",
-                        "--set", "message=world", helm=helm_bin, home=tmp_path / "helm").stdout
+    rendered = run_helm(
+        "template",
+        "rel",
+        str(chart),
+        "--namespace",
+        "smoke-ns",
+        "--set",
+        "message=world",
+        helm=helm_bin,
+        home=tmp_path / "helm",
+    ).stdout
 
     manifests = [doc for doc in yaml.safe_load_all(rendered) if doc]
-    assert manifests == [{
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": "rel-smoke", "namespace": "smoke-ns",
-                     "labels": {"app.kubernetes.io/version": "1.2.3"}},
-        "data": {"message": "world", "replicas": "2"},
-    }]
+    assert manifests == [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": "rel-smoke",
+                "namespace": "smoke-ns",
+                "labels": {"app.kubernetes.io/version": "1.2.3"},
+            },
+            "data": {"message": "world", "replicas": "2"},
+        }
+    ]

@@ -38,13 +38,15 @@ def _widget_crd() -> dict[str, Any]:
         "properties": {
             "ttl": {"type": "integer", "minimum": 1},
             "partitions": {
-                "type": "integer", "minimum": 1,
+                "type": "integer",
+                "minimum": 1,
                 # A transition rule: the kind of check the AgentDispatch CRD uses for partitions.
                 "x-kubernetes-validations": [{"rule": "self >= oldSelf", "message": PARTITIONS_MESSAGE}],
             },
         },
-        "x-kubernetes-validations": [{"rule": "self.ttl <= 300", "message": TTL_MESSAGE,
-                                      "fieldPath": ".ttl"}],
+        "x-kubernetes-validations": [
+            {"rule": "self.ttl <= 300", "message": TTL_MESSAGE, "fieldPath": ".ttl"}
+        ],
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -54,10 +56,14 @@ def _widget_crd() -> dict[str, Any]:
             "group": GROUP,
             "scope": "Namespaced",
             "names": {"plural": PLURAL, "singular": "widget", "kind": "Widget", "listKind": "WidgetList"},
-            "versions": [{
-                "name": "v1", "served": True, "storage": True,
-                "schema": {"openAPIV3Schema": {"type": "object", "properties": {"spec": spec_schema}}},
-            }],
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": {"type": "object", "properties": {"spec": spec_schema}}},
+                }
+            ],
         },
     }
 
@@ -82,8 +88,12 @@ def widget_crd(kube_api: client.ApiClient) -> Iterator[str]:
 
 
 def _widget(name: str, ttl: int, partitions: int = 1) -> dict[str, Any]:
-    return {"apiVersion": f"{GROUP}/v1", "kind": "Widget", "metadata": {"name": name},
-            "spec": {"ttl": ttl, "partitions": partitions}}
+    return {
+        "apiVersion": f"{GROUP}/v1",
+        "kind": "Widget",
+        "metadata": {"name": name},
+        "spec": {"ttl": ttl, "partitions": partitions},
+    }
 
 
 def _create(api: client.CustomObjectsApi, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +107,8 @@ def test_server_reports_the_pinned_version(kube: ControlPlane, kube_api: client.
 
 
 def test_cel_rule_accepts_valid_and_rejects_violating_object(
-        kube_api: client.ApiClient, widget_crd: str, kube_namespace: str) -> None:
+    kube_api: client.ApiClient, widget_crd: str, kube_namespace: str
+) -> None:
     objects = client.CustomObjectsApi(kube_api)
     created = _create(objects, kube_namespace, _widget("ok", ttl=300))
     assert created["spec"]["ttl"] == 300
@@ -112,54 +123,77 @@ def test_cel_rule_accepts_valid_and_rejects_violating_object(
 
 
 def test_cel_transition_rule_rejects_a_decrease(
-        kube_api: client.ApiClient, widget_crd: str, kube_namespace: str) -> None:
+    kube_api: client.ApiClient, widget_crd: str, kube_namespace: str
+) -> None:
     objects = client.CustomObjectsApi(kube_api)
     _create(objects, kube_namespace, _widget("grows", ttl=60, partitions=3))
-    objects.patch_namespaced_custom_object(GROUP, "v1", kube_namespace, PLURAL, "grows",
-                                           {"spec": {"partitions": 6}})
+    objects.patch_namespaced_custom_object(
+        GROUP, "v1", kube_namespace, PLURAL, "grows", {"spec": {"partitions": 6}}
+    )
 
     with pytest.raises(ApiException) as rejected:
-        objects.patch_namespaced_custom_object(GROUP, "v1", kube_namespace, PLURAL, "grows",
-                                               {"spec": {"partitions": 2}})
+        objects.patch_namespaced_custom_object(
+            GROUP, "v1", kube_namespace, PLURAL, "grows", {"spec": {"partitions": 2}}
+        )
 
     assert rejected.value.status == 422
     assert PARTITIONS_MESSAGE in json.loads(rejected.value.body)["message"]
 
 
 def test_kubectl_applies_and_gets_custom_objects(
-        kube: ControlPlane, widget_crd: str, kube_namespace: str) -> None:
-    kube.kubectl("apply", "-n", kube_namespace, "-f", "-",
-                 input=yaml.safe_dump(_widget("from-kubectl", ttl=30)))
+    kube: ControlPlane, widget_crd: str, kube_namespace: str
+) -> None:
+    kube.kubectl(
+        "apply", "-n", kube_namespace, "-f", "-", input=yaml.safe_dump(_widget("from-kubectl", ttl=30))
+    )
 
     got = kube.kubectl("get", f"{PLURAL}.{GROUP}", "-n", kube_namespace, "-o", "json")
 
     items = json.loads(got.stdout)["items"]
     assert [(item["metadata"]["name"], item["spec"]["ttl"]) for item in items] == [("from-kubectl", 30)]
-    violating = kube.kubectl("apply", "-n", kube_namespace, "-f", "-", check=False,
-                             input=yaml.safe_dump(_widget("from-kubectl", ttl=999)))
+    violating = kube.kubectl(
+        "apply",
+        "-n",
+        kube_namespace,
+        "-f",
+        "-",
+        check=False,
+        input=yaml.safe_dump(_widget("from-kubectl", ttl=999)),
+    )
     assert violating.returncode != 0
     assert TTL_MESSAGE in violating.stderr
 
 
 def test_rbac_limits_a_service_account_token(
-        kube: ControlPlane, kube_api: client.ApiClient, kube_namespace: str) -> None:
+    kube: ControlPlane, kube_api: client.ApiClient, kube_namespace: str
+) -> None:
     core = client.CoreV1Api(kube_api)
     rbac = client.RbacAuthorizationV1Api(kube_api)
     core.create_namespaced_service_account(kube_namespace, {"metadata": {"name": "reader"}})
-    rbac.create_namespaced_role(kube_namespace, {
-        "metadata": {"name": "configmap-reader"},
-        "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]}]})
-    rbac.create_namespaced_role_binding(kube_namespace, {
-        "metadata": {"name": "reader"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "configmap-reader"},
-        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": kube_namespace}]})
+    rbac.create_namespaced_role(
+        kube_namespace,
+        {
+            "metadata": {"name": "configmap-reader"},
+            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]}],
+        },
+    )
+    rbac.create_namespaced_role_binding(
+        kube_namespace,
+        {
+            "metadata": {"name": "reader"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "configmap-reader"},
+            "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": kube_namespace}],
+        },
+    )
     token = core.create_namespaced_service_account_token(
-        "reader", kube_namespace, {"spec": {"expirationSeconds": 600}}).status.token
+        "reader", kube_namespace, {"spec": {"expirationSeconds": 600}}
+    ).status.token
     as_reader = kube.kubeconfig_for_token(token, f"{kube_namespace}-reader")
 
     def can(verb: str, resource: str) -> str:
-        proc = kube.kubectl("auth", "can-i", verb, resource, "-n", kube_namespace, check=False,
-                            kubeconfig=as_reader)
+        proc = kube.kubectl(
+            "auth", "can-i", verb, resource, "-n", kube_namespace, check=False, kubeconfig=as_reader
+        )
         return proc.stdout.strip()
 
     assert can("list", "configmaps") == "yes"
@@ -170,15 +204,25 @@ def test_rbac_limits_a_service_account_token(
 
 
 def test_controller_manager_turns_a_deployment_into_a_replicaset(
-        kube: ControlPlane, kube_api: client.ApiClient, kube_namespace: str) -> None:
+    kube: ControlPlane, kube_api: client.ApiClient, kube_namespace: str
+) -> None:
     kube.start_controller_manager()
     apps = client.AppsV1Api(kube_api)
     labels = {"app": "smoke"}
-    apps.create_namespaced_deployment(kube_namespace, {
-        "metadata": {"name": "smoke"},
-        "spec": {"replicas": 2, "selector": {"matchLabels": labels},
-                 "template": {"metadata": {"labels": labels},
-                              "spec": {"containers": [{"name": "c", "image": "example.invalid/c:1"}]}}}})
+    apps.create_namespaced_deployment(
+        kube_namespace,
+        {
+            "metadata": {"name": "smoke"},
+            "spec": {
+                "replicas": 2,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {"containers": [{"name": "c", "image": "example.invalid/c:1"}]},
+                },
+            },
+        },
+    )
 
     def replicaset_with_two_pods() -> bool:
         sets = apps.list_namespaced_replica_set(kube_namespace).items
