@@ -260,14 +260,8 @@ DECLARE
     v_n       bigint;
     v_depth   bigint;
 BEGIN
-    -- Cheap early refusal under overload (not authoritative: the counter update below is).
-    IF p_bound IS NOT NULL THEN
-        SELECT depth INTO v_depth FROM agent_dispatch_queue_depth;
-        IF v_depth + cardinality(p_work_item_ids) > p_bound THEN
-            RAISE EXCEPTION 'queue depth % + % exceeds %', v_depth, cardinality(p_work_item_ids), p_bound
-                USING ERRCODE = 'AD001';
-        END IF;
-    END IF;
+    -- (The cheap refusal under overload is the enqueue path's depth pre-check; here only the
+    -- counter decides, after the rows, so a replay of an already queued turn is never refused.)
     WITH input AS (
         SELECT * FROM unnest(p_work_item_ids, p_session_ids, p_tenant_refs, p_group_refs, p_priorities,
                              p_deadlines, p_not_befores, p_wires)

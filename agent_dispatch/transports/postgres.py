@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import psycopg
 from psycopg import sql
 from psycopg.rows import TupleRow, tuple_row
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from agent_dispatch.errors import BackendUnavailable, DepthUnavailable, Fenced, QueueFull, SchemaOutdated
 from agent_dispatch.settings import Backend, Settings
@@ -243,10 +243,11 @@ class PostgresTransport:
         with self._lock:
             self._closed = True
             waker, self._waker = self._waker, None
+            pool, self._pool = self._pool, None
         if waker is not None:
             waker.close()
-        if self._pool is not None:
-            self._pool.close()
+        if pool is not None:
+            pool.close()
 
     # -- opaque scheduling references --------------------------------------------------------
 
@@ -267,16 +268,16 @@ class PostgresTransport:
     def admit(self, turns: Sequence[OutboundTurn], *, bounded: bool = True) -> None:
         if not turns:
             return
-        self._ready()
 
         def run() -> None:
+            self._ready()  # inside _call: an unreachable database is an unknown depth (fail closed)
             with self._conn() as conn:
                 self.admit_on(conn, turns, bounded=bounded)
 
         self._call(run, unavailable=DepthUnavailable)
 
     def admit_on(
-        self, conn: psycopg.Connection[object], turns: Sequence[OutboundTurn], *, bounded: bool = True
+        self, conn: psycopg.Connection[Any], turns: Sequence[OutboundTurn], *, bounded: bool = True
     ) -> int:
         """Admit on the caller's connection, inside the caller's transaction (if any).
 
@@ -314,9 +315,8 @@ class PostgresTransport:
         return int(row[0]) if row else 0
 
     def depth(self) -> int:
-        self._ready()
-
         def run() -> int:
+            self._ready()
             with self._conn() as conn:
                 row = conn.execute("SELECT depth FROM agent_dispatch_queue_depth").fetchone()
             if row is None:
@@ -428,7 +428,7 @@ class PostgresTransport:
         for attempt in range(1, _ATTEMPTS + 1):
             try:
                 return fn()
-            except (psycopg.OperationalError, PoolTimeout) as exc:
+            except (psycopg.OperationalError, PoolTimeout, PoolClosed, BackendUnavailable) as exc:
                 if isinstance(exc, psycopg.Error) and exc.sqlstate in _RETRYABLE and attempt < _ATTEMPTS:
                     continue
                 raise unavailable(f"postgres transport unavailable ({type(exc).__name__})") from None

@@ -10,7 +10,9 @@ runs under ``BEGIN IMMEDIATE`` (SQLite's single writer lock taken up front), so:
 - a receipt names the row, the owner and the per-claim token: once the visibility timeout has
   handed the row to another worker, the old receipt can neither acknowledge nor release it.
 
-Claim order: expired deadlines first, priority (higher first), deadline, enqueue time, id.
+Claim order: expired deadlines first, priority (higher first), deadline, enqueue time, id. A
+missing deadline is stored as a far-future ``deadline_key``, so one plain index matches the order
+and a claim reads only the head of it (plus a probe of the expiry index), never the backlog.
 Fairness across tenants is the PostgreSQL transport's job; local runs have one user.
 """
 
@@ -47,7 +49,7 @@ _SCHEMA: Final = (
         work_item_id TEXT NOT NULL UNIQUE,
         session_id TEXT NOT NULL,
         priority INTEGER NOT NULL,
-        deadline REAL,
+        deadline_key REAL NOT NULL,
         enqueued_at REAL NOT NULL,
         visible_at REAL NOT NULL,
         claim_owner TEXT,
@@ -55,8 +57,8 @@ _SCHEMA: Final = (
         deliveries INTEGER NOT NULL DEFAULT 0,
         wire BLOB NOT NULL
     )""",
-    f"CREATE INDEX IF NOT EXISTS {QUEUE}_visible ON {QUEUE} (visible_at)",
-    f"CREATE INDEX IF NOT EXISTS {QUEUE}_order ON {QUEUE} (priority DESC, deadline, enqueued_at, id)",
+    f"CREATE INDEX IF NOT EXISTS {QUEUE}_order ON {QUEUE} (priority DESC, deadline_key, enqueued_at, id)",
+    f"CREATE INDEX IF NOT EXISTS {QUEUE}_expiry ON {QUEUE} (deadline_key)",
     f"""CREATE TABLE IF NOT EXISTS {DEPTH} (
         singleton INTEGER PRIMARY KEY CHECK (singleton = 1),
         depth INTEGER NOT NULL CHECK (depth >= 0)
@@ -64,10 +66,17 @@ _SCHEMA: Final = (
     f"INSERT OR IGNORE INTO {DEPTH} (singleton, depth) VALUES (1, 0)",
 )
 
-_CLAIM_ORDER: Final = (
-    "ORDER BY (deadline IS NOT NULL AND deadline <= :now) DESC, priority DESC, "
-    "deadline IS NULL, deadline, enqueued_at, id"
+#: ``deadline_key`` of a turn without a deadline: after every real one.
+NO_DEADLINE: Final = 9.0e18
+_ORDER: Final = "ORDER BY priority DESC, deadline_key, enqueued_at, id"
+# Expired first (a range of the expiry index, empty in normal operation), then the order index's
+# head; rows another worker holds are skipped by ``visible_at``, so workers take different rows.
+# INDEXED BY: without statistics the planner would walk the order index past every live row.
+_EXPIRED: Final = (
+    f"SELECT id FROM {QUEUE} INDEXED BY {QUEUE}_expiry"
+    f" WHERE deadline_key <= :now AND visible_at <= :now {_ORDER} LIMIT :n"
 )
+_NEXT: Final = f"SELECT id FROM {QUEUE} WHERE visible_at <= :now {_ORDER} LIMIT :n"
 
 
 def _parse(token: str) -> tuple[int, str] | None:
@@ -190,13 +199,13 @@ class SqliteTransport:
         for turn in turns:
             visible_at = max(turn.not_before or now, now)
             cur = conn.execute(
-                f"INSERT OR IGNORE INTO {QUEUE} (work_item_id, session_id, priority, deadline, enqueued_at,"
+                f"INSERT OR IGNORE INTO {QUEUE} (work_item_id, session_id, priority, deadline_key, enqueued_at,"
                 " visible_at, wire) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
                     turn.work_item_id,
                     turn.session_id,
                     turn.priority,
-                    turn.deadline,
+                    NO_DEADLINE if turn.deadline is None else turn.deadline,
                     now,
                     visible_at,
                     turn.wire,
@@ -244,13 +253,10 @@ class SqliteTransport:
         out: list[Delivery] = []
         with self._write() as conn:
             now = float(conn.execute(_NOW).fetchone()[0])
-            ids = [
-                row[0]
-                for row in conn.execute(
-                    f"SELECT id FROM {QUEUE} WHERE visible_at <= :now {_CLAIM_ORDER} LIMIT :n",
-                    {"now": now, "n": max_items},
-                )
-            ]
+            ids = [row[0] for row in conn.execute(_EXPIRED, {"now": now, "n": max_items})]
+            if len(ids) < max_items:
+                more = conn.execute(_NEXT, {"now": now, "n": max_items + len(ids)})
+                ids += [row[0] for row in more if row[0] not in ids][: max_items - len(ids)]
             for row_id in ids:
                 token = secrets.token_hex(16)
                 work_item_id, wire, deliveries = conn.execute(

@@ -6,50 +6,15 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agent_dispatch.errors import Fenced, QueueFull
-from agent_dispatch.transport import Delivery, OutboundTurn, Receipt, Transport
-from agent_dispatch.transports.postgres import PostgresTransport
-from agent_dispatch.transports.sqlite import SqliteTransport
-
-MakeQueue = Callable[..., Transport]
-
-DATABASE_BACKENDS = [
-    pytest.param("sqlite", id="sqlite"),
-    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
-]
-
-
-@pytest.fixture(params=DATABASE_BACKENDS)
-def make_queue(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeQueue]:
-    opened: list[Transport] = []
-    dsn = request.getfixturevalue("postgres_dsn") if request.param == "postgres" else None
-
-    def make(*, max_depth: int = 10_000, visibility_timeout_s: float = 120.0) -> Transport:
-        queue: Transport
-        if dsn is not None:
-            queue = PostgresTransport(
-                dsn, max_depth=max_depth, visibility_timeout_s=visibility_timeout_s, pool_max_size=20
-            )
-        else:
-            queue = SqliteTransport(
-                tmp_path / "agent-dispatch.sqlite3",
-                max_depth=max_depth,
-                visibility_timeout_s=visibility_timeout_s,
-            )
-        queue.ensure_ready()
-        opened.append(queue)
-        return queue
-
-    yield make
-    for queue in opened:
-        queue.close()
+from agent_dispatch.transport import Delivery, OutboundTurn, Receipt
+from tests.transports.conftest import MakeQueue
 
 
 def outbound(n: int, tenant: str = "tenant-a") -> OutboundTurn:
