@@ -8,6 +8,12 @@ from one global SEQUENCE. The next ready item is claimed with ``FOR UPDATE SKIP 
 partial index whose key is exactly the claim's ORDER BY, and an expired lease is reclaimable by
 the same statement. Every time is the database's ``now()``: a worker's clock is never consulted.
 
+Round trips: for an item nobody depends on, a claim and a commit are one autocommit statement
+each (the lease and its provenance record in one statement through a data-modifying CTE). An
+item with dependents takes the transactional form, because releasing or cancelling them must
+happen in the same transaction: the fast statements carry ``NOT has_dependents`` so they can
+never settle such an item alone.
+
 Dependencies are exact under concurrency: a dependency counts its dependents down
 (``pending_deps``) with an UPDATE of the dependent row, which PostgreSQL serialises per row, and
 the release/cancel runs as a *separate statement in the same transaction* after the dependency's
