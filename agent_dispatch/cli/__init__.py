@@ -22,7 +22,7 @@ EXIT_INTERRUPTED = 130
 Handler = Callable[[argparse.Namespace], int]
 
 
-def _doctor(args: argparse.Namespace) -> int:
+def _doctor_command(args: argparse.Namespace) -> int:
     from agent_dispatch.cli._doctor import run_doctor
 
     return run_doctor(args)
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="check settings, lease recovery, transport and schema")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
-    doctor.set_defaults(handler=_doctor)
+    doctor.set_defaults(handler=_doctor_command)
 
     for module in (_up, _submit, _jobs, _gateway):
         module.register(sub)

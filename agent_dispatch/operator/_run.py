@@ -40,6 +40,7 @@ def main(args: argparse.Namespace) -> int:
         clusterwide=clusterwide,
         namespaces=namespaces,
         liveness_endpoint=args.liveness or None,
-        memo=kopf.Memo(),
+        # Exact namespace names need no cluster-wide scanning; globs and -A do.
+        memo=kopf.Memo(scan_cluster=clusterwide or any(set("*?[") & set(ns) for ns in namespaces)),
     )
     return 0

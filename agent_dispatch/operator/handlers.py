@@ -44,9 +44,12 @@ EVENTS_POSTED: Final = Counter(
 )
 
 
-def configure_settings(settings: kopf.OperatorSettings) -> None:
+def configure_settings(settings: kopf.OperatorSettings, *, scan_cluster: bool = True) -> None:
     """Decide kopf's persistence once, with the project's own names (never kopf's defaults, so
     two operators never fight over one annotation)."""
+    # Watching named namespaces under a Role, kopf cannot (and need not) list namespaces or
+    # CRDs cluster-wide: without this it retries those forbidden scans for about a minute.
+    settings.scanning.disabled = not scan_cluster
     settings.persistence.finalizer = k8s_names.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=k8s_names.ANNOTATION_PREFIX
@@ -104,8 +107,8 @@ async def _run_pass(kind: str, fn: Any, body: kopf.Body, memo: Any) -> _reconcil
 
 
 @kopf.on.startup(registry=REGISTRY)
-def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-    configure_settings(settings)
+def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    configure_settings(settings, scan_cluster=bool(getattr(memo, "scan_cluster", True)))
 
 
 @kopf.on.login(registry=REGISTRY)
