@@ -40,7 +40,6 @@ from typing import Any, Final, Literal
 
 from confluent_kafka import (
     Consumer,
-    ConsumerGroupTopicPartitions,
     KafkaError,
     KafkaException,
     Message,
@@ -183,12 +182,20 @@ def _settle(future: Any, timeout_s: float, *, retry_on: int, what: str) -> bool:
     return True
 
 
-def consumer_group_lag(admin: AdminClient, topic: str, group: str, *, timeout_s: float) -> int:
+def consumer_group_lag(
+    admin: AdminClient, topic: str, group: str, *, timeout_s: float, reader: Consumer
+) -> int:
     """Turns accepted on ``topic`` that ``group`` has not committed past, summed over partitions.
 
     A partition without a committed offset counts from its low watermark. Any failure, including a
     missing topic, raises :class:`DepthUnavailable` within about ``timeout_s``: an unknown depth is
     never reported as zero.
+
+    The committed offsets are read with ``reader`` (see :func:`offsets_reader`), a Consumer whose
+    group.id is ``group`` and that never subscribes, so it never joins the group. Not with the
+    AdminClient's ListConsumerGroupOffsets: when the coordinator answers NOT_COORDINATOR (a fresh
+    or restarted broker, a group it has not loaded yet) librdkafka dereferences the AdminClient's
+    NULL group handle and the whole process dies with SIGSEGV (librdkafka issue #5040; seen here).
     """
     deadline = time.monotonic() + timeout_s
 
@@ -205,21 +212,18 @@ def consumer_group_lag(admin: AdminClient, topic: str, group: str, *, timeout_s:
             reason = found.error.name() if found is not None and found.error is not None else "missing"
             raise DepthUnavailable(f"kafka depth probe: topic {topic} is unavailable ({reason})")
         parts = [TopicPartition(topic, p) for p in sorted(found.partitions)]
-        # Three independent requests, in flight together: one round trip rather than three.
+        # Both watermark requests are in flight while the committed offsets are read.
         high = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts}, request_timeout=remaining())
         low = admin.list_offsets({tp: OffsetSpec.earliest() for tp in parts}, request_timeout=remaining())
-        committed_future = admin.list_consumer_group_offsets(
-            [ConsumerGroupTopicPartitions(group, parts)], request_timeout=remaining()
-        )[group]
+        committed = reader.committed(parts, timeout=remaining())
         highs = {tp.partition: future.result(timeout=remaining()).offset for tp, future in high.items()}
         lows = {tp.partition: future.result(timeout=remaining()).offset for tp, future in low.items()}
-        committed = committed_future.result(timeout=remaining())
     except DepthUnavailable:
         raise
     except (KafkaException, TimeoutError) as exc:
         raise DepthUnavailable(f"kafka depth probe failed ({_describe(exc)})") from None
     positions: dict[int, int] = {}
-    for tp in committed.topic_partitions or []:
+    for tp in committed or []:
         if tp.error is not None:
             raise DepthUnavailable(f"kafka depth probe failed ({tp.error.name()})")
         if tp.offset >= 0:
@@ -231,6 +235,21 @@ def consumer_group_lag(admin: AdminClient, topic: str, group: str, *, timeout_s:
         start = max(positions.get(partition, low_mark), low_mark)
         lag += max(0, high_mark - start)
     return lag
+
+
+def offsets_reader(bootstrap_servers: str, group: str) -> Consumer:
+    """A Consumer that only reads ``group``'s committed offsets: it never subscribes or commits."""
+    return Consumer(
+        {
+            "bootstrap.servers": bootstrap_servers,
+            "group.id": group,
+            "client.id": "agent-dispatch-offsets",
+            "enable.auto.commit": False,
+            "socket.nagle.disable": True,
+            "logger": _ClientLog(),
+            "error_cb": _ErrorReporter("offsets"),
+        }
+    )
 
 
 # -- tuning ----------------------------------------------------------------------------------
@@ -944,6 +963,7 @@ class KafkaTransport:
         self._admit_lock = threading.Lock()
         self._reserved = 0
         self._failed_locally = 0
+        self._reader: Consumer | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KafkaTransport:
@@ -969,7 +989,14 @@ class KafkaTransport:
         deadline = time.monotonic() + max(10.0, 2 * self.tuning.probe_timeout_s)
         while True:
             try:
-                consumer_group_lag(self._admin, self.topic, self.group, timeout_s=self.tuning.probe_timeout_s)
+                with self._probe_lock:
+                    consumer_group_lag(
+                        self._admin,
+                        self.topic,
+                        self.group,
+                        timeout_s=self.tuning.probe_timeout_s,
+                        reader=self._offsets_reader(),
+                    )
                 return
             except DepthUnavailable as exc:
                 if time.monotonic() >= deadline:
@@ -1001,6 +1028,10 @@ class KafkaTransport:
             remaining = self._producer.flush(min(self.tuning.delivery_timeout_s, 10.0))
             if remaining:
                 log.warning("kafka producer closed with undelivered messages", extra={"count": remaining})
+        with self._probe_lock:
+            reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
 
     def close_consumer(self) -> None:
         """Close the calling thread's consumer (a worker thread that exits calls this)."""
@@ -1120,13 +1151,23 @@ class KafkaTransport:
             reported = self._reports()
             try:
                 lag = consumer_group_lag(
-                    self._admin, self.topic, self.group, timeout_s=self.tuning.probe_timeout_s
+                    self._admin,
+                    self.topic,
+                    self.group,
+                    timeout_s=self.tuning.probe_timeout_s,
+                    reader=self._offsets_reader(),
                 )
                 probe = _Probe(started, reported, lag)
             except DepthUnavailable as exc:
                 probe = _Probe(started, reported, None, str(exc))
             self._probe = probe
             return probe
+
+    def _offsets_reader(self) -> Consumer:
+        """The depth probe's committed-offsets reader (callers hold ``_probe_lock``)."""
+        if self._reader is None:
+            self._reader = offsets_reader(self.bootstrap_servers, self.group)
+        return self._reader
 
     def depth(self) -> int:
         probe = self._fresh_probe(time.monotonic())
@@ -1233,5 +1274,6 @@ __all__ = [
     "TopicChange",
     "consumer_group_lag",
     "ensure_topic",
+    "offsets_reader",
     "topic_partition_count",
 ]

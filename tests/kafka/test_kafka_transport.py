@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import pytest
-from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
+from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from agent_dispatch.errors import DepthUnavailable, Fenced, QueueFull
@@ -24,6 +24,7 @@ from agent_dispatch.transports.kafka import (
     PartitionDecreaseRefused,
     consumer_group_lag,
     ensure_topic,
+    offsets_reader,
     topic_partition_count,
 )
 from testenv.kafka import KafkaBroker
@@ -83,10 +84,13 @@ def _claim_until(
 
 
 def _committed(bootstrap: str, group: str, topic: str, partitions: int = 1) -> dict[int, int]:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    request = ConsumerGroupTopicPartitions(group, [TopicPartition(topic, p) for p in range(partitions)])
-    result = admin.list_consumer_group_offsets([request], request_timeout=10)[group].result(timeout=15)
-    return {tp.partition: tp.offset for tp in result.topic_partitions}
+    # A Consumer handle, not the AdminClient's ListConsumerGroupOffsets (see consumer_group_lag).
+    reader = offsets_reader(bootstrap, group)
+    try:
+        found = reader.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=15)
+    finally:
+        reader.close()
+    return {tp.partition: tp.offset for tp in found}
 
 
 def _eventually(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
@@ -329,6 +333,31 @@ def test_admission_rejects_when_lag_reaches_the_bound(make_transport: Callable[.
         transport.admit([_turn("t8")])
 
 
+def test_concurrent_admission_never_exceeds_the_bound(make_transport: Callable[..., KafkaTransport]) -> None:
+    bound, threads, attempts = 40, 16, 8
+    transport = make_transport(partitions=3, max_depth=bound)
+    barrier = threading.Barrier(threads)
+
+    def submitter(index: int) -> tuple[int, int]:
+        accepted = rejected = 0
+        barrier.wait(timeout=WAIT_S)
+        for attempt in range(attempts):
+            try:
+                transport.admit([_turn(f"{index}:{attempt}", session_id=f"s{index}")])
+                accepted += 1
+            except QueueFull:
+                rejected += 1
+        return accepted, rejected
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        results = list(pool.map(submitter, range(threads), timeout=WAIT_S * 3))
+    accepted = sum(a for a, _ in results)
+    assert sum(r for _, r in results) == threads * attempts - accepted
+    # Within one process the reservations are exact; the probe may only over-count (reject more).
+    assert bound - threads <= accepted <= bound
+    _eventually(lambda: transport.depth() == accepted, "the lag to match the accepted turns")
+
+
 def test_admission_rejects_when_the_broker_is_stopped(
     make_transport: Callable[..., KafkaTransport], kafka_broker: KafkaBroker
 ) -> None:
@@ -399,5 +428,9 @@ def test_depth_probe_of_a_missing_topic_is_unavailable_not_zero(
     kafka_bootstrap: str, kafka_topic_name: str
 ) -> None:
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-    with pytest.raises(DepthUnavailable):
-        consumer_group_lag(admin, kafka_topic_name, "nobody", timeout_s=5)
+    reader = offsets_reader(kafka_bootstrap, "nobody")
+    try:
+        with pytest.raises(DepthUnavailable):
+            consumer_group_lag(admin, kafka_topic_name, "nobody", timeout_s=5, reader=reader)
+    finally:
+        reader.close()
