@@ -196,20 +196,25 @@ def _advisory_session_lock(
     # transaction, so no pooled connection sits "idle in transaction" for the whole turn.
     conn = connect()
     try:
+        key = advisory_key(session_id)
         if idle_timeout_s is not None:
             # A holder that stalls (SIGSTOP, partition) past its lease loses the lock with its
             # session; a live holder touches the connection at every renewal (SessionHold.keepalive).
-            conn.execute(
-                "SELECT set_config('idle_session_timeout', %s, false)", (f"{int(idle_timeout_s * 1000)}ms",)
-            )
-        key = advisory_key(session_id)
+            # One round trip: the timeout is set and the first lock attempt made in one statement.
+            got = conn.execute(
+                "SELECT set_config('idle_session_timeout', %s, false), pg_try_advisory_lock(%s)",
+                (f"{int(idle_timeout_s * 1000)}ms", key),
+            ).fetchone()[1]
+        else:
+            got = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]
         deadline = time.monotonic() + timeout_s
         delay = 0.01
-        while not conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:
+        while not got:
             if time.monotonic() >= deadline:
                 raise LeaseHeld(f"session busy on another worker for more than {timeout_s:g}s")
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
+            got = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]
         try:
             yield SessionHold(conn)
         finally:

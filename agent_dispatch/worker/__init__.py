@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,68 @@ class WorkerStartupError(RuntimeError):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class SessionLockConnections:
+    """Dedicated autocommit connections for session advisory locks, reused across turns.
+
+    Opening a connection per turn (a server process, authentication) cost more than all the
+    other round trips of a no-op turn together. ``connect()`` lends an idle connection (or opens
+    one); the lent connection's ``close()`` gives it back. A connection goes back only if every
+    statement on it succeeded (so the session's explicit unlock ran: it holds no advisory lock),
+    and one idle for half the lock's ``idle_session_timeout`` is discarded rather than reused
+    (the server may end it at the full timeout). At most ``keep`` idle connections are kept.
+    """
+
+    def __init__(self, uri: str, *, idle_timeout_s: float, keep: int = 16) -> None:
+        self._uri = uri
+        self._max_idle_s = idle_timeout_s / 2
+        self._keep = keep
+        self._idle: list[tuple[float, Any]] = []
+        self._lock = threading.Lock()
+
+    def connect(self) -> _LentConnection:
+        now = time.monotonic()
+        with self._lock:
+            while self._idle:
+                returned_at, conn = self._idle.pop()
+                if now - returned_at < self._max_idle_s and not conn.closed:
+                    return _LentConnection(self, conn)
+                conn.close()
+        import psycopg
+
+        return _LentConnection(self, psycopg.connect(self._uri, autocommit=True))
+
+    def _give_back(self, conn: Any, healthy: bool) -> None:
+        if healthy and not conn.closed:
+            with self._lock:
+                if len(self._idle) < self._keep:
+                    self._idle.append((time.monotonic(), conn))
+                    return
+        conn.close()
+
+
+class _LentConnection:
+    """What :func:`agent_dispatch.lease.session_execution_guard` uses: ``execute`` and ``close``."""
+
+    def __init__(self, owner: SessionLockConnections, conn: Any) -> None:
+        self._owner = owner
+        self._conn: Any = conn
+        self._healthy = True
+
+    def execute(self, query: Any, params: Any = None) -> Any:
+        if self._conn is None:
+            raise RuntimeError("connection already given back")
+        try:
+            return self._conn.execute(query, params)
+        except BaseException:
+            self._healthy = False
+            raise
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._owner._give_back(conn, self._healthy)
 
 
 def build_worker(settings: Settings, *, concurrency: int | None = None) -> Worker:
@@ -49,12 +112,9 @@ def build_worker(settings: Settings, *, concurrency: int | None = None) -> Worke
 
     session_connect: Callable[[], Any] | None = None
     if settings.state_db_uri is not None:
-        import psycopg
-
-        uri = settings.state_db_uri.get_secret_value()
-
-        def session_connect() -> Any:
-            return psycopg.connect(uri, autocommit=True)
+        session_connect = SessionLockConnections(
+            settings.state_db_uri.get_secret_value(), idle_timeout_s=settings.claim_ttl_s
+        ).connect
 
     def redrive() -> int:
         return dispatch.redrive(store, transport, settings=settings, signing_key=key)
