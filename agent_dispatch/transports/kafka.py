@@ -957,7 +957,7 @@ class KafkaTransport:
         self._local = threading.local()
         self._consumers: dict[str, _ThreadConsumer] = {}
         self._committer: _Committer | None = None
-        # Admission bookkeeping (see _admit_bounded).
+        # Admission bookkeeping (see _reserve_bounded).
         self._probe_lock = threading.Lock()
         self._probe: _Probe | None = None
         self._admit_lock = threading.Lock()
