@@ -87,7 +87,8 @@ def open_envelope(wire: bytes, key: bytes) -> AgentTurnEnvelope:
         first = exc.errors(include_url=False)[0]
         field = ".".join(str(p) for p in first["loc"]) or "envelope"
         raise PoisonEnvelope(f"invalid envelope field {field}: {first['msg']}") from None
-    if not hmac.compare_digest(signature, _mac(key, _canonical(envelope))):
+    # compare_digest refuses (TypeError) a str with non-ASCII characters: that is a bad signature too.
+    if not signature.isascii() or not hmac.compare_digest(signature, _mac(key, _canonical(envelope))):
         raise PoisonEnvelope("envelope signature does not verify")
     return envelope
 

@@ -67,7 +67,12 @@ class LeaseHeartbeat:
         self.renewals = 0
 
     def start(self) -> None:
-        self.beat()
+        try:
+            self.beat()
+        except Exception:
+            # The API server may be away (restarting): never fail the worker for it; the loop
+            # keeps trying every interval, and the Lease appears once the server is back.
+            log.warning("worker Lease not written yet; retrying", exc_info=True)
         self._thread.start()
 
     def beat(self) -> None:

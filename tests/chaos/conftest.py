@@ -1,0 +1,67 @@
+"""Options of the chaos suite: ``--chaos-seed``, ``--chaos-duration`` and ``--chaos-report``.
+
+Short mode (the default duration) runs in CI; soak mode is the same tests with a longer duration,
+e.g. ``pytest tests/chaos -m chaos --chaos-duration=600``. Name ``tests/chaos`` on the command line
+(or set ``CHAOS_DURATION``/``CHAOS_SEED``/``CHAOS_REPORT``): pytest reads a sub-directory's
+options only when that directory is among the paths it was given.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+#: Seconds of fault injection per transport in short mode (CI).
+SHORT_DURATION_S = 20.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("chaos", "fault injection (tests/chaos)")
+    group.addoption(
+        "--chaos-seed",
+        type=int,
+        default=None,
+        help="seed of the fault plan and the clients' choices (default: random, printed)",
+    )
+    group.addoption(
+        "--chaos-duration",
+        type=float,
+        default=None,
+        help=f"seconds of fault injection per transport (default {SHORT_DURATION_S:g}; soak: 600)",
+    )
+    group.addoption(
+        "--chaos-report",
+        default=None,
+        help="append one JSON line per chaos run (figures for docs/reliability.md) to this file",
+    )
+
+
+def _option(config: pytest.Config, name: str, env: str) -> str | None:
+    try:
+        value = config.getoption(name)
+    except ValueError:  # the options were not registered (conftest not an initial one)
+        value = None
+    if value is None:
+        value = os.environ.get(env) or None
+    return None if value is None else str(value)
+
+
+@pytest.fixture(scope="session")
+def chaos_seed(pytestconfig: pytest.Config) -> int:
+    given = _option(pytestconfig, "--chaos-seed", "CHAOS_SEED")
+    return int(given) if given is not None else random.SystemRandom().randrange(1, 2**31)
+
+
+@pytest.fixture(scope="session")
+def chaos_duration(pytestconfig: pytest.Config) -> float:
+    given = _option(pytestconfig, "--chaos-duration", "CHAOS_DURATION")
+    return float(given) if given is not None else SHORT_DURATION_S
+
+
+@pytest.fixture(scope="session")
+def chaos_report(pytestconfig: pytest.Config) -> Path | None:
+    given = _option(pytestconfig, "--chaos-report", "CHAOS_REPORT")
+    return Path(given) if given else None

@@ -1,0 +1,727 @@
+"""Chaos harness: worker processes, a gateway process and HTTP clients over one transport, faults
+injected at seeded random times, and the invariants checked over everything that happened.
+
+It reuses tests/e2e: ``backend_env``/``start_worker`` (the ``tests.e2e.recording:run`` executor,
+whose one side effect goes through ``lease_guard.side_effect`` to the fencing sink) and the
+``FencingSink``. What it adds: a gateway subprocess on a fixed port (so clients reconnect after a
+restart), clients that retry ambiguous submissions with the same Idempotency-Key, a fault
+scheduler, a depth and metrics sampler, and :meth:`ChaosRun.verify`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.request
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent_dispatch.gateway import hash_token, write_tokens_file
+from agent_dispatch.models import WorkItem, WorkState, deterministic_id
+from agent_dispatch.settings import RTO_S
+from testenv._common import free_port, port_open
+from tests.e2e.harness import BASE_ENV, ROOT, Backend, start_worker
+from tests.e2e.sink import FencingSink
+
+TENANT = "chaos"
+TOKEN = "chaos-token-0123456789abcdef"
+#: Small on purpose: clients push against the bound, so admission is exercised under faults.
+MAX_DEPTH = 24
+WORKERS = 3
+CONCURRENCY = 2
+CLIENTS = 4
+SESSIONS_PER_CLIENT = 8
+TERMINAL = frozenset({WorkState.SUCCEEDED, WorkState.FAILED, WorkState.CANCELLED, WorkState.DEAD_LETTER})
+
+FAULTS_BY_TRANSPORT: dict[str, tuple[str, ...]] = {
+    "sqlite": ("worker_kill", "worker_stop", "gateway_restart"),
+    "postgres": ("worker_kill", "worker_stop", "gateway_restart", "postgres_restart"),
+    # The Kafka transport keeps its WorkItems in PostgreSQL: both servers get restarted.
+    "kafka": ("worker_kill", "worker_stop", "gateway_restart", "postgres_restart", "kafka_restart"),
+}
+
+_TURNS = re.compile(r'^agent_dispatch_turns_total\{outcome="(\w+)"\} ([0-9.e+]+)$', re.M)
+_GAUGE = r"^{name} ([0-9.e+-]+)$"
+
+
+class TimedSink(FencingSink):
+    """The fencing sink, also noting when each effect was accepted (wall clock)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.accepted_at: dict[str, list[tuple[int, float]]] = defaultdict(list)
+
+    def offer(self, job_id: str, token: int) -> bool:
+        ok = super().offer(job_id, token)
+        if ok:
+            with self.lock:
+                self.accepted_at[job_id].append((token, time.time()))
+        return ok
+
+
+@dataclass
+class WorkerProc:
+    worker_id: str
+    proc: subprocess.Popen[bytes]
+    metrics_port: int
+    log: Path
+    killed: bool = False
+    stopped: bool = False
+    last_scrape: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Scrape:
+    turns: dict[str, float]
+    heartbeat: float
+    in_flight: float
+
+
+def scrape(port: int, timeout: float = 3.0) -> Scrape:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as response:
+        text = response.read().decode()
+    turns = {outcome: float(value) for outcome, value in _TURNS.findall(text)}
+
+    def gauge(name: str) -> float:
+        found = re.search(_GAUGE.format(name=name), text, re.M)
+        return float(found.group(1)) if found else float("nan")
+
+    return Scrape(
+        turns,
+        gauge("agent_dispatch_worker_heartbeat_timestamp_seconds"),
+        gauge("agent_dispatch_turns_in_flight"),
+    )
+
+
+@dataclass
+class Services:
+    """The servers a fault may restart (None when the transport has none)."""
+
+    postgres: Any = None
+    kafka: Any = None
+
+
+@dataclass
+class ClientStats:
+    submitted_keys: list[str] = field(default_factory=list)
+    accepted: dict[str, str] = field(default_factory=dict)  # key -> job id (202 seen)
+    statuses: Counter[str] = field(default_factory=Counter)
+    unexpected: list[str] = field(default_factory=list)
+
+
+class ChaosRun:
+    """One transport under load and faults; ``run()`` then ``verify()``."""
+
+    def __init__(
+        self,
+        transport_name: str,
+        backend: Backend,
+        tmp_path: Path,
+        *,
+        seed: int,
+        duration_s: float,
+        services: Services,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.name = transport_name
+        self.backend = backend
+        self.tmp = tmp_path
+        self.seed = seed
+        self.duration_s = duration_s
+        self.services = services
+        self.rng = random.Random(f"{seed}/{transport_name}")
+        self.say = log
+        self.t0 = time.monotonic()
+        self.sink = TimedSink().start()
+        self.settings, self.store, self.transport = backend.open()
+        self.workers: list[WorkerProc] = []
+        self._worker_seq = 0
+        self.gateway: subprocess.Popen[bytes] | None = None
+        self.gateway_port = free_port()
+        self.gateway_log = tmp_path / "gateway.log"
+        self.tokens_file = tmp_path / "tokens.yaml"
+        write_tokens_file(self.tokens_file, {TENANT: [hash_token(TOKEN)]})
+        self.faults: Counter[str] = Counter()
+        self.fault_log: list[dict[str, Any]] = []
+        self.depth_samples = 0
+        self.depth_max = 0
+        self.depth_over: list[tuple[float, int]] = []
+        self.depth_unavailable = 0
+        self.depth_errors: Counter[str] = Counter()
+        self.clients: list[ClientStats] = [ClientStats() for _ in range(CLIENTS)]
+        self.crashes: list[str] = []
+        self.stop_load = threading.Event()
+        self.stop_sampling = threading.Event()
+        self._lock = threading.Lock()
+        self._timers: list[threading.Timer] = []
+        self.recovered_in_s: float | None = None
+        self.final_depth: int | str = "never measured"
+        self.report: dict[str, Any] = {}
+
+    # --- processes ---------------------------------------------------------------------------
+
+    def elapsed(self) -> float:
+        return round(time.monotonic() - self.t0, 2)
+
+    def start_worker(self) -> WorkerProc:
+        self._worker_seq += 1
+        worker_id = f"chaos-w{self._worker_seq}"
+        port = free_port()
+        log = self.tmp / f"{worker_id}.log"
+        proc = start_worker(
+            self.backend,
+            sink_url=self.sink.url,
+            concurrency=CONCURRENCY,
+            log=log,
+            extra={"AGENT_DISPATCH_WORKER_ID": worker_id, "AGENT_DISPATCH_METRICS_PORT": str(port)},
+        )
+        worker = WorkerProc(worker_id, proc, port, log)
+        with self._lock:
+            self.workers.append(worker)
+        return worker
+
+    def start_gateway(self) -> None:
+        env = {
+            **BASE_ENV,
+            **self.backend.env,
+            "AGENT_DISPATCH_TOKENS_FILE": str(self.tokens_file),
+            "AGENT_DISPATCH_LOG_FORMAT": "text",
+            "PYTHONPATH": str(ROOT),
+        }
+        with self.gateway_log.open("ab") as out:
+            self.gateway = subprocess.Popen(
+                [sys.executable, "-m", "agent_dispatch.cli", "gateway", "--port", str(self.gateway_port)],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+            )
+        deadline = time.monotonic() + 60
+        while not port_open(self.gateway_port):
+            if self.gateway.poll() is not None:
+                raise AssertionError(
+                    f"gateway exited {self.gateway.returncode}:\n{self._tail(self.gateway_log)}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(f"gateway did not listen within 60s:\n{self._tail(self.gateway_log)}")
+            time.sleep(0.1)
+
+    def stop_gateway(self, *, hard: bool) -> None:
+        proc, self.gateway = self.gateway, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGKILL if hard else signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+            self.crashes.append("gateway did not stop within 30s of SIGTERM")
+        if not hard and proc.returncode != 0:
+            self.crashes.append(f"gateway exited {proc.returncode} after SIGTERM")
+
+    @staticmethod
+    def _tail(path: Path, lines: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def live_workers(self) -> list[WorkerProc]:
+        with self._lock:
+            return [w for w in self.workers if not w.killed]
+
+    # --- load ----------------------------------------------------------------------------------
+
+    def _post(self, body: dict[str, Any], key: str) -> int | None:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.gateway_port}/api/turns",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={
+                "Authorization": f"Bearer {TOKEN}",
+                "Content-Type": "application/json",
+                "Idempotency-Key": key,
+            },
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=15) as response:
+                response.read()
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            exc.read()
+            return int(exc.code)
+        except (OSError, urllib.error.URLError):
+            return None  # refused, reset or timed out: the outcome is unknown, retry the same key
+
+    def _client(self, index: int) -> None:
+        rng = random.Random(f"{self.seed}/{self.name}/client{index}")
+        stats = self.clients[index]
+        n = 0
+        while not self.stop_load.is_set():
+            n += 1
+            key = f"c{index}-{n}"
+            stats.submitted_keys.append(key)
+            body = {
+                "kind": "chaos",
+                "session_id": f"s{index}-{rng.randrange(SESSIONS_PER_CLIENT)}",
+                "payload": {"sleep_s": round(rng.uniform(0, 0.25), 3)},
+            }
+            backoff = 0.05
+            while not self.stop_load.is_set():
+                status = self._post(body, key)
+                stats.statuses[str(status)] += 1
+                if status == 202:
+                    stats.accepted[key] = deterministic_id(TENANT, key)
+                    break
+                if status is not None and status not in {429, 503}:
+                    stats.unexpected.append(f"{key}: HTTP {status}")
+                    break
+                # 429 queue full, 503 backend unavailable, or no answer: the same key again later.
+                self.stop_load.wait(backoff)
+                backoff = min(backoff * 2, 1.0)
+            self.stop_load.wait(rng.uniform(0.0, 0.05))
+
+    # --- sampling ------------------------------------------------------------------------------
+
+    def _sampler(self) -> None:
+        last_scrape = 0.0
+        while not self.stop_sampling.wait(0.2):
+            try:
+                depth = self.transport.depth()
+            except Exception as exc:
+                self.depth_unavailable += 1
+                self.depth_errors[f"{type(exc).__name__}: {exc}"[:160]] += 1
+            else:
+                self.depth_samples += 1
+                self.depth_max = max(self.depth_max, depth)
+                if depth > self.settings.max_depth:
+                    self.depth_over.append((self.elapsed(), depth))
+            if time.monotonic() - last_scrape >= 1.0:
+                last_scrape = time.monotonic()
+                for worker in self.live_workers():
+                    if worker.stopped:
+                        continue
+                    with contextlib.suppress(Exception):
+                        worker.last_scrape = scrape(worker.metrics_port, timeout=1.0).turns
+            for worker in self.live_workers():
+                if worker.proc.poll() is not None and not worker.killed:
+                    with self._lock:
+                        worker.killed = True
+                    self.crashes.append(
+                        f"{worker.worker_id} exited {worker.proc.returncode} unprompted:\n"
+                        f"{self._tail(worker.log)}"
+                    )
+            gateway = self.gateway
+            if gateway is not None and gateway.poll() is not None and gateway is self.gateway:
+                self.crashes.append(f"gateway exited {gateway.returncode} unprompted")
+                self.gateway = None
+
+    # --- faults --------------------------------------------------------------------------------
+
+    def plan(self) -> list[tuple[float, str]]:
+        """(offset in seconds, fault) pairs: every fault type once (shuffled), then random ones."""
+        kinds = FAULTS_BY_TRANSPORT[self.name]
+        first = list(kinds)
+        self.rng.shuffle(first)
+        step = min(self.duration_s / (len(first) + 1), 8.0)
+        at = 0.0
+        plan = []
+        for kind in first:
+            at += self.rng.uniform(0.5, 1.0) * step
+            plan.append((round(at, 2), kind))
+        # Soak: more of the same, weighted towards the cheap ones, until the duration is over.
+        weights = {"worker_kill": 4, "worker_stop": 3, "gateway_restart": 2}
+        while True:
+            at += self.rng.uniform(2.0, 8.0)
+            if at >= self.duration_s:
+                break
+            kind = self.rng.choices(kinds, [weights.get(k, 1) for k in kinds])[0]
+            plan.append((round(at, 2), kind))
+        return plan
+
+    def _record(self, kind: str, **detail: Any) -> None:
+        self.faults[kind] += 1
+        entry = {"t": self.elapsed(), "fault": kind, **detail}
+        self.fault_log.append(entry)
+        self.say(f"[chaos {self.name}] {json.dumps(entry)}")
+
+    def inject(self, kind: str) -> None:
+        ttl = self.settings.claim_ttl_s
+        if kind == "worker_kill":
+            candidates = self.live_workers()
+            victim = self.rng.choice(candidates)
+            with self._lock:
+                victim.killed = True
+            victim.proc.send_signal(signal.SIGKILL)
+            victim.proc.wait(timeout=10)
+            replacement = self.start_worker()
+            self._record(kind, worker=victim.worker_id, replacement=replacement.worker_id)
+        elif kind == "worker_stop":
+            candidates = [w for w in self.live_workers() if not w.stopped]
+            if not candidates:
+                return
+            victim = self.rng.choice(candidates)
+            pause = round(ttl + self.rng.uniform(1.0, 3.0), 2)
+            victim.stopped = True
+            victim.proc.send_signal(signal.SIGSTOP)
+
+            def resume(worker: WorkerProc = victim) -> None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(signal.SIGCONT)
+                worker.stopped = False
+
+            timer = threading.Timer(pause, resume)
+            timer.daemon = True
+            timer.start()
+            self._timers.append(timer)
+            self._record(kind, worker=victim.worker_id, pause_s=pause)
+        elif kind == "gateway_restart":
+            hard = self.rng.random() < 0.5
+            self.stop_gateway(hard=hard)
+            down = round(self.rng.uniform(0.2, 2.0), 2)
+            time.sleep(down)
+            self.start_gateway()
+            self._record(kind, signal="SIGKILL" if hard else "SIGTERM", down_s=down)
+        elif kind == "postgres_restart":
+            immediate = self.rng.random() < 0.5
+            started = time.monotonic()
+            self.services.postgres.restart(immediate=immediate)
+            self._record(kind, immediate=immediate, took_s=round(time.monotonic() - started, 2))
+        elif kind == "kafka_restart":
+            immediate = self.rng.random() < 0.5
+            started = time.monotonic()
+            self.services.kafka.restart(immediate=immediate)
+            self._record(kind, immediate=immediate, took_s=round(time.monotonic() - started, 2))
+        else:
+            raise AssertionError(f"unknown fault {kind}")
+
+    def _faults(self, plan: list[tuple[float, str]]) -> None:
+        begin = time.monotonic()
+        for offset, kind in plan:
+            wait = begin + offset - time.monotonic()
+            if wait > 0 and self.stop_load.wait(wait):
+                return
+            try:
+                self.inject(kind)
+            except Exception:
+                self.crashes.append(f"injecting {kind} failed:\n{traceback.format_exc()}")
+
+    # --- the run -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        plan = self.plan()
+        self.say(f"[chaos {self.name}] seed={self.seed} duration={self.duration_s}s plan={plan}")
+        self.start_gateway()
+        for _ in range(WORKERS):
+            self.start_worker()
+        sampler = threading.Thread(target=self._sampler, name="chaos-sampler", daemon=True)
+        sampler.start()
+        clients = [
+            threading.Thread(target=self._client, args=(i,), name=f"chaos-client-{i}", daemon=True)
+            for i in range(CLIENTS)
+        ]
+        for thread in clients:
+            thread.start()
+        faults = threading.Thread(target=self._faults, args=(plan,), name="chaos-faults", daemon=True)
+        faults.start()
+        faults.join(timeout=self.duration_s + 600)
+        # Whatever the plan's last step took, the load runs for the whole duration.
+        remaining = self.t0 + self.duration_s - time.monotonic()
+        if remaining > 0:
+            time.sleep(remaining)
+        self.stop_load.set()
+        for thread in clients:
+            thread.join(timeout=30)
+        self._heal()
+        faults_over = time.monotonic()
+        self.say(f"[chaos {self.name}] faults over at {self.elapsed()}s; waiting for every turn to settle")
+        try:
+            self._settle(deadline=faults_over + RTO_S)
+            self.recovered_in_s = round(time.monotonic() - faults_over, 1)
+            # Every delivery acknowledged, while the workers still run (on Kafka, duplicates the
+            # recovery sweep re-drove are still to be consumed and skipped).
+            self.final_depth = self._final_depth()
+        finally:
+            self.stop_sampling.set()
+            sampler.join(timeout=10)
+
+    def _heal(self) -> None:
+        """Faults stop: resume paused workers, every server up, the gateway and WORKERS workers live."""
+        for timer in self._timers:
+            timer.join(timeout=self.settings.claim_ttl_s + 5)  # a pause in progress runs its course
+        for worker in self.live_workers():
+            if worker.stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(signal.SIGCONT)
+                worker.stopped = False
+        if self.services.postgres is not None and not self.services.postgres.running:
+            self.services.postgres.start()
+        if self.services.kafka is not None and not self.services.kafka.running:
+            self.services.kafka.start()
+        if self.gateway is None or self.gateway.poll() is not None:
+            self.start_gateway()
+        while len(self.live_workers()) < WORKERS:
+            self.start_worker()
+        # A replacement started a moment ago may still be importing: the faults are over when
+        # every worker serves (its signal handlers are in place from then on).
+        for worker in self.live_workers():
+            self._wait_ready(worker)
+
+    def _wait_ready(self, worker: WorkerProc, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if worker.proc.poll() is not None:
+                return  # the sampler reports it as a crash
+            with contextlib.suppress(OSError):
+                url = f"http://127.0.0.1:{worker.metrics_port}/readyz"
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            time.sleep(0.2)
+        self.crashes.append(f"{worker.worker_id} was not ready {timeout:.0f}s after it started")
+
+    def all_items(self) -> list[WorkItem]:
+        items: list[WorkItem] = []
+        after: str | None = None
+        while True:
+            page = _retry(lambda after=after: self.store.list_items(tenant=TENANT, limit=500, after=after))
+            items.extend(page)
+            if len(page) < 500:
+                return items
+            after = page[-1].id
+
+    def _settle(self, deadline: float) -> None:
+        pending: list[WorkItem] = []
+        while time.monotonic() < deadline:
+            try:
+                pending = [item for item in self.all_items() if item.state not in TERMINAL]
+            except Exception:
+                pending = []
+                time.sleep(1)
+                continue
+            if not pending:
+                return
+            time.sleep(1)
+        sample = [(i.id, i.state.value, i.lease_owner) for i in pending[:5]]
+        raise AssertionError(
+            f"{self.name}: {len(pending)} turns not terminal {RTO_S}s after the faults stopped, e.g. {sample}"
+        )
+
+    def finish(self) -> None:
+        """Scrape every live worker's metrics, then stop the workers and the gateway."""
+        for worker in self.live_workers():
+            try:
+                final = scrape(worker.metrics_port, timeout=10)
+            except Exception as exc:
+                self.crashes.append(f"{worker.worker_id}: /metrics did not answer at the end: {exc!r}")
+                continue
+            worker.last_scrape = final.turns
+            if final.in_flight != 0:
+                self.crashes.append(f"{worker.worker_id} still has {final.in_flight} turns in flight")
+            if time.time() - final.heartbeat > 10:
+                self.crashes.append(
+                    f"{worker.worker_id}: claim loop stalled (last heartbeat {time.time() - final.heartbeat:.0f}s ago)"
+                )
+        for worker in self.live_workers():
+            worker.proc.send_signal(signal.SIGTERM)
+        for worker in self.live_workers():
+            try:
+                code = worker.proc.wait(timeout=self.settings.shutdown_grace_s + 20)
+            except subprocess.TimeoutExpired:
+                worker.proc.kill()
+                self.crashes.append(f"{worker.worker_id} did not stop after SIGTERM")
+                continue
+            if code != 0:
+                self.crashes.append(
+                    f"{worker.worker_id} exited {code} after SIGTERM:\n{self._tail(worker.log)}"
+                )
+        self.stop_gateway(hard=False)
+
+    def close(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        for worker in self.workers:
+            if worker.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(signal.SIGCONT)
+                worker.proc.kill()
+                with contextlib.suppress(Exception):
+                    worker.proc.wait(timeout=10)
+        if self.gateway is not None and self.gateway.poll() is None:
+            self.gateway.kill()
+        self.sink.stop()
+        with contextlib.suppress(Exception):
+            self.transport.close()
+        with contextlib.suppress(Exception):
+            self.store.close()
+
+    # --- the invariants ------------------------------------------------------------------------
+
+    def verify(self) -> dict[str, Any]:
+        """Check every invariant; returns the report (``violations`` lists what failed)."""
+        violations: list[str] = list(self.crashes)
+        items = {item.id: item for item in self.all_items()}
+        accepted = {job for stats in self.clients for job in stats.accepted.values()}
+        submitted = sum(len(stats.submitted_keys) for stats in self.clients)
+
+        # 1. Every accepted turn reached a terminal state (checked by _settle for every item).
+        missing = sorted(accepted - items.keys())
+        if missing:
+            violations.append(f"{len(missing)} accepted turns are not in the store, e.g. {missing[:3]}")
+        not_terminal = [i.id for i in items.values() if i.state not in TERMINAL]
+        if not_terminal:
+            violations.append(f"{len(not_terminal)} turns not terminal: {not_terminal[:3]}")
+
+        # 2. Exactly one terminal outcome, and fencing held: per item, its records and the sink.
+        by_owner: Counter[str] = Counter()
+        superseded = 0
+        stale_accepted: list[str] = []
+        for item in items.values():
+            records = _retry(lambda item=item: self.store.outcomes(item.id))
+            commits = [r for r in records if r.event == "commit"]
+            succeeded = [r for r in commits if r.outcome == "succeeded"]
+            if len(succeeded) > 1:
+                violations.append(f"{item.id}: {len(succeeded)} succeeded commits")
+            if len(commits) > 1:
+                violations.append(
+                    f"{item.id}: {len(commits)} terminal commits {[c.outcome for c in commits]}"
+                )
+            for record in succeeded:
+                by_owner[(record.owner or "").split("/")[0]] += 1
+            effects = self.sink.accepted_at.get(item.id, [])
+            if item.state is WorkState.SUCCEEDED:
+                if not succeeded or succeeded[0].fencing_token != item.fencing_token:
+                    violations.append(f"{item.id}: succeeded without a commit record for its final token")
+                if self.sink.highest.get(item.id) != item.fencing_token:
+                    violations.append(
+                        f"{item.id}: committed with token {item.fencing_token} but the sink's highest "
+                        f"accepted token is {self.sink.highest.get(item.id)}"
+                    )
+            elif effects and max(t for t, _ in effects) > item.fencing_token:
+                violations.append(f"{item.id}: an effect with a token above the item's final token")
+            # An effect accepted after a newer lease had been issued came from a stale lease.
+            claims = sorted((r.fencing_token, r.at.timestamp()) for r in records if r.event == "claim")
+            for token, at in effects:
+                newer = [c_at for c_token, c_at in claims if c_token > token]
+                if newer and min(newer) < at - 0.05:
+                    stale_accepted.append(
+                        f"{item.id}: token {token} accepted {at - min(newer):.2f}s after a newer claim"
+                    )
+                if token != item.fencing_token:
+                    superseded += 1
+        if stale_accepted:
+            violations.append(f"{len(stale_accepted)} effects of stale leases accepted: {stale_accepted[:3]}")
+
+        # 3. Depth never above the bound (sampled), and every delivery acknowledged at the end.
+        if self.depth_over and self.name != "kafka":
+            violations.append(f"depth above the bound {self.settings.max_depth}: {self.depth_over[:5]}")
+        if self.final_depth != 0:
+            violations.append(f"depth is {self.final_depth} at the end, not 0")
+
+        # 4. Metrics add up: each surviving worker's counter equals the store's commits it owns.
+        live = {w.worker_id: w for w in self.workers if not w.killed}
+        killed = [w.worker_id for w in self.workers if w.killed]
+        metric_total = 0
+        for worker_id, worker in live.items():
+            counted = int(worker.last_scrape.get("succeeded", -1))
+            metric_total += counted
+            if counted != by_owner.get(worker_id, 0):
+                violations.append(
+                    f"{worker_id}: metrics say {counted} succeeded, the store has {by_owner.get(worker_id, 0)}"
+                )
+        killed_commits = sum(by_owner.get(w, 0) for w in killed)
+        states = Counter(item.state.value for item in items.values())
+        if metric_total + killed_commits != states.get("succeeded", 0):
+            violations.append(
+                f"succeeded: metrics of live workers {metric_total} + commits of killed workers "
+                f"{killed_commits} != {states.get('succeeded', 0)} succeeded turns"
+            )
+        unexpected = [u for stats in self.clients for u in stats.unexpected]
+        if unexpected:
+            violations.append(f"{len(unexpected)} unexpected HTTP answers, e.g. {unexpected[:3]}")
+        refused = sum(len(v) for v in self.sink.refused.values())
+        statuses: Counter[str] = Counter()
+        for stats in self.clients:
+            statuses.update(stats.statuses)
+        self.report = {
+            "transport": self.name,
+            "seed": self.seed,
+            "duration_s": self.duration_s,
+            "faults": dict(sorted(self.faults.items())),
+            "turns_submitted": submitted,
+            "turns_accepted": len(accepted),
+            "turns_in_store": len(items),
+            "turns_completed": states.get("succeeded", 0),
+            "terminal_states": dict(sorted(states.items())),
+            "stale_effects_refused": refused,
+            "superseded_effects": superseded,
+            "depth_max": self.depth_max,
+            "depth_bound": self.settings.max_depth,
+            "depth_samples": self.depth_samples,
+            "depth_unavailable_samples": self.depth_unavailable,
+            "depth_errors": dict(self.depth_errors.most_common(3)),
+            "http_statuses": dict(sorted(statuses.items())),
+            "workers_started": len(self.workers),
+            "recovered_in_s": self.recovered_in_s,
+            "violations": violations,
+            "fault_log": self.fault_log,
+        }
+        return self.report
+
+    def _final_depth(self) -> int | str:
+        deadline = time.monotonic() + 90
+        depth: int | str = "never measured"
+        while time.monotonic() < deadline:
+            try:
+                depth = self.transport.depth()
+            except Exception as exc:
+                depth = f"unknown ({type(exc).__name__}: {exc})"
+            if depth == 0:
+                return 0
+            time.sleep(0.5)
+        return depth
+
+
+def _retry(fn: Callable[[], Any], attempts: int = 20) -> Any:
+    """A read against a store that may have just been restarted (broken pooled connections)."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except Exception:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.5)
+    raise AssertionError("unreachable")
+
+
+def write_report(path: Path | None, report: dict[str, Any]) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as out:
+        out.write(json.dumps(report) + "\n")
+
+
+def env_for_chaos() -> dict[str, str]:
+    """Backend overrides: a small depth bound and attempts enough to survive repeated kills."""
+    return {
+        "AGENT_DISPATCH_MAX_DEPTH": str(MAX_DEPTH),
+        "AGENT_DISPATCH_MAX_ATTEMPTS": "20",
+        "AGENT_DISPATCH_LOG_LEVEL": "WARNING",
+    }
+
+
+__all__ = ["ChaosRun", "Services", "env_for_chaos", "write_report"]
