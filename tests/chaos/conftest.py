@@ -39,6 +39,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A chaos test's timeout follows its duration (pytest-timeout reads markers before the test
+    runs, so the test cannot set its own): the faults, the 300 s RTO, and room for start-up."""
+    given = _option(config, "--chaos-duration", "CHAOS_DURATION")
+    duration = float(given) if given is not None else SHORT_DURATION_S
+    here = Path(__file__).parent
+    for item in items:
+        if item.get_closest_marker("chaos") and here in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.timeout(3 * duration + 300 + 600))
+
+
 def _option(config: pytest.Config, name: str, env: str) -> str | None:
     try:
         value = config.getoption(name)

@@ -137,11 +137,9 @@ def test_apiserver_restarts_status_recovers_and_matches_reality(
     tmp_path: Path,
     chaos_seed: int,
     chaos_duration: float,
-    request: pytest.FixtureRequest,
 ) -> None:
     from tests.kube.conftest import OperatorProcess, agentdispatch, condition, kubectl_apply, wait_for
 
-    request.node.add_marker(pytest.mark.timeout(chaos_duration * 3 + 600))
     rng = random.Random(f"{chaos_seed}/operator")
     ns = kube_namespace
     install_crd(kube)
