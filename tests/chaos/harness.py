@@ -118,6 +118,7 @@ class ClientStats:
     submitted_keys: list[str] = field(default_factory=list)
     accepted: dict[str, str] = field(default_factory=dict)  # key -> job id (202 seen)
     statuses: Counter[str] = field(default_factory=Counter)
+    answered_states: Counter[str] = field(default_factory=Counter)
     unexpected: list[str] = field(default_factory=list)
 
 
@@ -245,7 +246,7 @@ class ChaosRun:
 
     # --- load ----------------------------------------------------------------------------------
 
-    def _post(self, body: dict[str, Any], key: str) -> int | None:
+    def _post(self, body: dict[str, Any], key: str) -> tuple[int | None, dict[str, Any]]:
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.gateway_port}/api/turns",
             data=json.dumps(body).encode(),
@@ -258,13 +259,18 @@ class ChaosRun:
         )
         try:
             with urllib.request.urlopen(request, timeout=15) as response:
-                response.read()
-                return int(response.status)
+                answer = response.read()
+                status = int(response.status)
         except urllib.error.HTTPError as exc:
             exc.read()
-            return int(exc.code)
+            return int(exc.code), {}
         except (OSError, urllib.error.URLError):
-            return None  # refused, reset or timed out: the outcome is unknown, retry the same key
+            return None, {}  # refused, reset or timed out: the outcome is unknown, retry the same key
+        try:
+            handle = json.loads(answer)
+        except ValueError:
+            handle = {}
+        return status, handle if isinstance(handle, dict) else {}
 
     def _client(self, index: int) -> None:
         rng = random.Random(f"{self.seed}/{self.name}/client{index}")
@@ -281,10 +287,12 @@ class ChaosRun:
             }
             backoff = 0.05
             while not self.stop_load.is_set():
-                status = self._post(body, key)
+                status, handle = self._post(body, key)
                 stats.statuses[str(status)] += 1
                 if status == 202:
                     stats.accepted[key] = deterministic_id(TENANT, key)
+                    # A replayed key answers with the item as it is: note what the client was told.
+                    stats.answered_states[f"{handle.get('state')}/created={handle.get('created')}"] += 1
                     break
                 if status is not None and status not in {429, 503}:
                     stats.unexpected.append(f"{key}: HTTP {status}")
@@ -656,6 +664,12 @@ class ChaosRun:
         statuses: Counter[str] = Counter()
         for stats in self.clients:
             statuses.update(stats.statuses)
+        answered: Counter[str] = Counter()
+        for stats in self.clients:
+            answered.update(stats.answered_states)
+        accepted_cancelled = sum(
+            1 for job in accepted if job in items and items[job].state is WorkState.CANCELLED
+        )
         self.report = {
             "transport": self.name,
             "seed": self.seed,
@@ -674,6 +688,8 @@ class ChaosRun:
             "depth_unavailable_samples": self.depth_unavailable,
             "depth_errors": dict(self.depth_errors.most_common(3)),
             "http_statuses": dict(sorted(statuses.items())),
+            "accepted_answers": dict(sorted(answered.items())),
+            "accepted_then_cancelled": accepted_cancelled,
             "workers_started": len(self.workers),
             "recovered_in_s": self.recovered_in_s,
             "violations": violations,
