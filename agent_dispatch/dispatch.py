@@ -48,6 +48,15 @@ class _SharedStore(Protocol):
 
 
 @runtime_checkable
+class _SharedBatchStore(Protocol):
+    """A shared store that can submit a whole batch, and run the admission, in one transaction."""
+
+    def submit_many_in_transaction(
+        self, requests: Sequence[SubmitRequest], then: Callable[[Any, list[WorkItem]], None]
+    ) -> list[SubmitResult | DispatchError]: ...
+
+
+@runtime_checkable
 class _SharedTransport(Protocol):
     """A transport that can admit on a caller's connection, inside the caller's transaction."""
 
@@ -185,6 +194,13 @@ def enqueue_many(
     except AdmissionRejected as exc:
         return [exc] * len(requests)
     if _shares_database(store, transport):
+        if isinstance(store, _SharedBatchStore) and not any(r.depends_on for r in requests):
+            try:
+                return _enqueue_batch_shared(store, transport, requests, signing_key=signing_key)
+            except DispatchError:
+                # Nothing of the batch was kept. Room for only some (QueueFull), or a failure of the
+                # whole transaction: one by one below, so each request gets its own answer.
+                pass
         for index, request in enumerate(requests):
             try:
                 check_envelope_fields(request)
@@ -226,6 +242,44 @@ def enqueue_many(
         for index, _ in fresh:
             outcomes[index] = exc
     _mark_dispatched(store, admitted)
+    return [o for o in outcomes if o is not None]
+
+
+def _enqueue_batch_shared(
+    store: WorkItemStore,
+    transport: Transport,
+    requests: Sequence[SubmitRequest],
+    *,
+    signing_key: bytes,
+) -> list[SubmitResult | DispatchError]:
+    """The whole batch in one transaction: every submit, then one bounded admission of the new items.
+
+    A ``DispatchError`` of the batch as a whole (``QueueFull``: it does not fit under the bound)
+    rolls everything back and propagates, so the caller can fall back to one request at a time.
+    """
+    assert isinstance(transport, _SharedTransport) and isinstance(store, _SharedBatchStore)
+    shared = transport
+    outcomes: list[SubmitResult | DispatchError | None] = [None] * len(requests)
+    valid: list[int] = []
+    for index, request in enumerate(requests):
+        try:
+            check_envelope_fields(request)
+            valid.append(index)
+        except DispatchError as exc:
+            outcomes[index] = exc
+
+    def admit_all(conn: Any, items: list[WorkItem]) -> None:
+        turns = [build_turn(item, signing_key=signing_key) for item in items if _admittable(item)]
+        if turns:
+            shared.admit_on(conn, turns, bounded=True)
+
+    results = store.submit_many_in_transaction([requests[i] for i in valid], admit_all)
+    for index, result in zip(valid, results, strict=True):
+        outcomes[index] = result
+    _mark_dispatched(
+        store,
+        [r.item.id for r in results if isinstance(r, SubmitResult) and r.created and _admittable(r.item)],
+    )
     return [o for o in outcomes if o is not None]
 
 

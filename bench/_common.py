@@ -57,6 +57,8 @@ class Proc:
     popen: subprocess.Popen[str]
     log: Path
     lines: list[str] = field(default_factory=list)
+    #: Wall-clock time when ``wait_drained`` first saw the process gone (0 until then).
+    exited_at: float = 0.0
     _reader: threading.Thread | None = None
 
     @property
@@ -249,6 +251,8 @@ def wait_drained(poll: Callable[[], int], inserter: Proc, *, timeout: float, int
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         done_inserting = inserter.popen.poll() is not None
+        if done_inserting and inserter.exited_at == 0.0:
+            inserter.exited_at = time.time()
         if done_inserting and inserter.popen.returncode != 0:
             raise RuntimeError(f"{inserter.name} exited {inserter.popen.returncode}:\n{inserter.tail()}")
         if done_inserting and poll() == 0:

@@ -296,8 +296,9 @@ class OursDriver:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def measure(driver: Driver, *, processes: int, count: int, log_dir: Path) -> float:
-    """One run: turns per second for ``count`` turns through ``processes`` worker processes."""
+def measure(driver: Driver, *, processes: int, count: int, log_dir: Path) -> tuple[float, float]:
+    """One run: turns per second for ``count`` turns through ``processes`` worker processes, and
+    the submission rate alone (the inserter's first submit until it exited)."""
     driver.prepare()
     workers: list[Proc] = []
     try:
@@ -310,7 +311,7 @@ def measure(driver: Driver, *, processes: int, count: int, log_dir: Path) -> flo
         inserter = driver.start_inserter(count, log_dir, "timed")
         start = float(inserter.wait_line("start ", 120).split()[1])
         end = wait_drained(driver.remaining, inserter, timeout=timeout)
-        return count / (end - start)
+        return count / (end - start), count / max(inserter.exited_at - start, 1e-9)
     finally:
         for proc in workers:
             proc.stop()
@@ -335,7 +336,7 @@ def run_rounds(
     count: int,
     rounds: int,
     log_dir: Path,
-    record: Callable[[str, int, float | None, str | None], None],
+    record: Callable[[str, int, float | None, str | None, float | None], None],
 ) -> None:
     """Interleave systems within each round, so drift on a busy machine hits all of them alike."""
     for round_no in range(1, rounds + 1):
@@ -343,10 +344,12 @@ def run_rounds(
             for label, make in drivers:
                 try:
                     driver = make()
-                    rate = measure(driver, processes=k, count=count, log_dir=log_dir)
+                    rate, submit = measure(driver, processes=k, count=count, log_dir=log_dir)
                 except Exception as exc:  # one failed run is reported, not fatal to the benchmark
                     say(f"round {round_no}: {label} x{k}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
-                    record(label, k, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                    record(label, k, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", None)
                     continue
-                say(f"round {round_no}: {label:<28} {k} proc: {rate:8.1f} turns/s")
-                record(label, k, rate, None)
+                say(
+                    f"round {round_no}: {label:<28} {k} proc: {rate:8.1f} turns/s (submitting alone {submit:8.1f}/s)"
+                )
+                record(label, k, rate, None, submit)

@@ -101,9 +101,18 @@ class Results:
         }
 
     def e2e(self, backend: str) -> Any:
-        def record(system: str, processes: int, rate: float | None, error: str | None) -> None:
+        def record(
+            system: str, processes: int, rate: float | None, error: str | None, submit: float | None = None
+        ) -> None:
             self.data["e2e"].append(
-                {"backend": backend, "system": system, "processes": processes, "rate": rate, "error": error}
+                {
+                    "backend": backend,
+                    "system": system,
+                    "processes": processes,
+                    "rate": rate,
+                    "error": error,
+                    "submit_rate": submit,
+                }
             )
 
         return record
@@ -392,6 +401,28 @@ def render(data: dict[str, Any]) -> str:
             cells.append(f"{ours / other:.2f}x" if ours and other else "n/a")
         w(f"| {system} | " + " | ".join(cells) + " |")
     w("")
+    if any(r.get("submit_rate") for r in data["e2e"]):
+        w(
+            "Submission alone, in the same runs (turns/s from the inserter's first submit until it exited, "
+            "while the workers ran): an end-to-end figure cannot pass it."
+        )
+        w("")
+        w("| system | " + " | ".join(f"{k} proc" for k in procs) + " |")
+        w("| --- |" + " --- |" * len(procs))
+        for system in _systems(data, "postgres"):
+            cells = []
+            for k in procs:
+                sub = [
+                    r["submit_rate"]
+                    for r in data["e2e"]
+                    if r["backend"] == "postgres"
+                    and r["system"] == system
+                    and r["processes"] == k
+                    and r.get("submit_rate")
+                ]
+                cells.append(_fmt(median(sub)) if sub else "n/a")
+            w(f"| {system} | " + " | ".join(cells) + " |")
+        w("")
     w("### Kafka and SQLite (1 worker process)")
     w("")
     w("| backend | agent-dispatch | raw ceiling | ratio |")

@@ -722,26 +722,7 @@ class PostgresStore:
         rec = self._one(
             conn,
             INSERT_ITEM,
-            self._p(
-                id=prepared.id,
-                tenant=prepared.tenant,
-                kind=prepared.kind,
-                queue=prepared.queue,
-                session_id=prepared.session_id,
-                state=state.value,
-                priority=prepared.priority,
-                deadline=prepared.deadline,
-                max_attempts=prepared.max_attempts,
-                key=prepared.idempotency_key,
-                depends_on=list(prepared.depends_on),
-                pending=pending,
-                fairness_group=prepared.fairness_group,
-                payload=prepared.payload,
-                payload_size=len(prepared.payload),
-                digest=prepared.digest,
-                outcome=outcome,
-                error=error,
-            ),
+            self._insert_params(prepared, state, pending=pending, outcome=outcome, error=error),
         )
         if rec is None:
             # ON CONFLICT: a concurrent identical submit committed first (it waited for it).
@@ -752,6 +733,36 @@ class PostgresStore:
         if prepared.depends_on:
             conn.execute(INSERT_DEPENDENCIES, {"deps": list(prepared.depends_on), "id": prepared.id})
         return SubmitResult(make_item(rec), created=True)
+
+    def _insert_params(
+        self,
+        prepared: Prepared,
+        state: WorkState,
+        *,
+        pending: int = 0,
+        outcome: str | None = None,
+        error: str | None = None,
+    ) -> dict[str, Any]:
+        return self._p(
+            id=prepared.id,
+            tenant=prepared.tenant,
+            kind=prepared.kind,
+            queue=prepared.queue,
+            session_id=prepared.session_id,
+            state=state.value,
+            priority=prepared.priority,
+            deadline=prepared.deadline,
+            max_attempts=prepared.max_attempts,
+            key=prepared.idempotency_key,
+            depends_on=list(prepared.depends_on),
+            pending=pending,
+            fairness_group=prepared.fairness_group,
+            payload=prepared.payload,
+            payload_size=len(prepared.payload),
+            digest=prepared.digest,
+            outcome=outcome,
+            error=error,
+        )
 
     # --- one transaction with the queue (the enqueue path, agent_dispatch.dispatch) --------------------------
 
@@ -776,6 +787,62 @@ class PostgresStore:
             if result.created:
                 then(conn, result.item)
             return result
+
+        return self._run(run)
+
+    def submit_many_in_transaction(
+        self, requests: Sequence[SubmitRequest], then: Callable[[Conn, list[WorkItem]], None]
+    ) -> list[SubmitResult | DispatchError]:
+        """``submit`` for a batch in ONE transaction, then ``then(conn, created_items)`` in it too.
+
+        For requests without dependencies (``InvalidRequest`` otherwise, before anything is
+        written). Every request gets its own outcome, in order: a ``SubmitResult`` (a repeat of an
+        existing item is ``created=False``, as with ``submit``) or the ``DispatchError`` that
+        refused it (validation, an idempotency conflict). The inserts go to the server as one
+        pipeline, so a batch costs a few round trips instead of a few per request. If ``then``
+        raises, nothing of the batch is kept. A deadlock victim is retried whole.
+        """
+        prepared: list[tuple[int, Prepared]] = []
+        refused: dict[int, DispatchError] = {}
+        for index, request in enumerate(requests):
+            if request.depends_on:
+                raise InvalidRequest("submit_many_in_transaction takes requests without dependencies")
+            try:
+                prepared.append((index, prepare_submit(request, self.limits)))
+            except DispatchError as exc:
+                refused[index] = exc
+
+        def run(conn: Conn) -> list[SubmitResult | DispatchError]:
+            outcomes: dict[int, SubmitResult | DispatchError] = dict(refused)
+            recs: list[DictRow | None] = []
+            if prepared:
+                with conn.cursor(row_factory=dict_row) as cur:
+                    cur.executemany(
+                        INSERT_ITEM,
+                        [self._insert_params(p, WorkState.READY) for _, p in prepared],
+                        returning=True,
+                    )
+                    while True:
+                        recs.append(cur.fetchone())
+                        if not cur.nextset():
+                            break
+            created: list[WorkItem] = []
+            for (index, p), rec in zip(prepared, recs, strict=True):
+                if rec is not None:
+                    item = make_item(rec)
+                    outcomes[index] = SubmitResult(item, created=True)
+                    created.append(item)
+                    continue
+                # ON CONFLICT: the same id or idempotency key exists (maybe earlier in this batch).
+                existing = self._existing(conn, p)
+                if existing is None:
+                    raise errors.SerializationFailure("conflicting submit vanished; retrying")
+                try:
+                    outcomes[index] = self._repeat(existing, p)
+                except DispatchError as exc:
+                    outcomes[index] = exc
+            then(conn, created)
+            return [outcomes[i] for i in range(len(requests))]
 
         return self._run(run)
 
