@@ -30,7 +30,8 @@ HPA_API_VERSION: Final = "autoscaling/v2"
 KEDA_API_VERSION: Final = "keda.sh/v1alpha1"
 #: KEDA postgresql trigger query when neither the spec nor the store supplies one. The table is
 #: the queue table the design names; the store issue may export a cheaper DEPTH_QUERY.
-DEFAULT_DEPTH_QUERY: Final = "SELECT count(*) FROM agent_dispatch_queue"
+#: The queue's admission counter: O(1), the same number admission compares against the bound.
+DEFAULT_DEPTH_QUERY: Final = "SELECT depth FROM agent_dispatch_queue_depth"
 
 
 def worker_name(instance: str) -> str:

@@ -1,14 +1,11 @@
-"""Integration points the WorkItem store fills in later: schema migrations and queue depth.
+"""The operator's two database duties on the PostgreSQL backend: migrations and queue depth.
 
-The operator does not know the schema and must not invent one, so it calls the store only if
-``agent_dispatch.store`` exists and exports the function. Until then these are no-ops that say
-so, and the doctor report shows it.
+Both go through the same store and transport code the workers run, so the operator never holds
+a second copy of the schema.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,39 +17,45 @@ class HookResult:
     value: Any = None
 
 
-def _store_function(name: str) -> Callable[..., Any] | None:
-    try:
-        store = importlib.import_module("agent_dispatch.store")
-    except ModuleNotFoundError as exc:
-        if exc.name not in {"agent_dispatch.store", "agent_dispatch"}:
-            raise  # the store exists but one of its own imports is broken: surface it
-        return None
-    function = getattr(store, name, None)
-    return function if callable(function) else None
+def _settings() -> Any:
+    from agent_dispatch.settings import load
+
+    # Only what the schema needs; the AgentDispatch spec's own limits are the workers' business.
+    return load()
 
 
 def run_migrations(dsn: str) -> HookResult:
-    """Create or upgrade the WorkItem and queue schema through ``agent_dispatch.store.migrate``."""
-    migrate = _store_function("migrate")
-    if migrate is None:
-        return HookResult(False, "the WorkItem store provides no migrate() in this build")
-    value = migrate(dsn)
-    return HookResult(True, "migrations applied", value)
+    """Create or upgrade the WorkItem schema and the queue tables (idempotent)."""
+    from agent_dispatch.stores.postgres import PostgresStore
+    from agent_dispatch.transports.postgres import PostgresTransport
+
+    settings = _settings()
+    store = PostgresStore(dsn, settings, max_size=1)
+    try:
+        version = store.migrate()
+    finally:
+        store.close()
+    transport = PostgresTransport(dsn, max_depth=settings.max_depth, visibility_timeout_s=60, pool_max_size=1)
+    try:
+        transport.ensure_ready()
+    finally:
+        transport.close()
+    return HookResult(True, f"WorkItem schema at version {version}; queue tables present", version)
 
 
 def queue_depth(dsn: str) -> HookResult:
-    """Queue depth from ``agent_dispatch.store.queue_depth`` (PostgreSQL backend), if provided."""
-    depth = _store_function("queue_depth")
-    if depth is None:
-        return HookResult(False, "the WorkItem store provides no queue_depth() in this build")
-    return HookResult(True, "ok", depth(dsn))
+    """Accepted, unacknowledged turns from the queue's admission counter."""
+    from agent_dispatch.transports.postgres import PostgresTransport
 
-
-def depth_query() -> str | None:
-    """The store's own SQL for queue depth (used by a KEDA postgresql trigger), if it exports one."""
+    transport = PostgresTransport(dsn, max_depth=1, visibility_timeout_s=60, pool_max_size=1)
     try:
-        store = importlib.import_module("agent_dispatch.store")
-    except ModuleNotFoundError:
-        return None
-    query = getattr(store, "DEPTH_QUERY", None)
-    return query if isinstance(query, str) else None
+        return HookResult(True, "ok", transport.depth())
+    finally:
+        transport.close()
+
+
+def depth_query() -> str:
+    """The KEDA postgresql trigger's query."""
+    from agent_dispatch.operator._desired import DEFAULT_DEPTH_QUERY
+
+    return DEFAULT_DEPTH_QUERY

@@ -276,7 +276,9 @@ def test_lifecycle_create_roll_restart_workers_delete(
         == svc_version
     )
     new_events = events_for(kube, ns, "orders")[events_before:]
-    assert not [e for e in new_events if e["reason"] in {"Created", "Updated", "Deleted"}], new_events
+    assert not [e for e in new_events if e["reason"] in {"Created", "Updated", "Deleted"}], [
+        (e["reason"], e.get("message")) for e in new_events
+    ]
 
     # -- workers: live from their Leases, stale within the TTL after they stop renewing -------------
     now = dt.datetime.now(dt.UTC)
@@ -302,10 +304,11 @@ def test_lifecycle_create_roll_restart_workers_delete(
     assert condition(ad, "WorkersAvailable")["status"] == "True"
     rows = table_rows(kube.kubectl("get", "agentdispatch", "-n", ns).stdout)
     assert list(rows[0]) == ["NAME", "BACKEND", "DEPTH", "WORKERS", "READY", "AGE"]
-    # Depth is blank: the PostgreSQL store exports no queue_depth() in this build (see docs).
-    assert {k: rows[0][k] for k in ("NAME", "BACKEND", "WORKERS", "READY")} == {
+    # The operator migrated the database; the queue's admission counter reads 0.
+    assert {k: rows[0][k] for k in ("NAME", "BACKEND", "DEPTH", "WORKERS", "READY")} == {
         "NAME": "orders",
         "BACKEND": "postgres",
+        "DEPTH": "0",
         "WORKERS": "2",
         "READY": "True",
     }, rows
