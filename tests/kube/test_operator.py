@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import importlib.util
 import json
 import os
 import signal
@@ -620,10 +619,6 @@ def test_worker_heartbeat_leases_fold_into_status(
     kube.kubectl("delete", "agentdispatch", "beats", "-n", ns, "--wait=true", "--timeout=60s")
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("agent_dispatch.dispatch") is None,
-    reason="agent-dispatch-worker cannot start in this build yet (agent_dispatch.dispatch is not there)",
-)
 def test_real_workers_heartbeat_and_a_killed_one_turns_stale(
     kube: ControlPlane,
     kube_api: client.ApiClient,
