@@ -61,7 +61,7 @@ MODES: dict[str, dict[str, Any]] = {
         "processes": [1, 2, 4],
         "other_turns": 1000,
         "claim_sizes": [1000, 100_000],
-        "claim_samples": 300,
+        "claim_samples": 1000,
         "fair_big": 100_000,
         "fair_others": 98,
         "dispatch_samples": 50,
@@ -567,8 +567,10 @@ def charts(data: dict[str, Any]) -> None:
     ax.set_xticklabels([f"{k} worker process{'es' if k > 1 else ''}" for k in procs])
     ax.set_ylabel("turns / s (median)")
     ax.set_yscale("log")
+    top = max((_med(data, "postgres", sys_, k) or 1) for sys_ in systems for k in procs) if systems else 1
+    ax.set_ylim(top=top * 4)  # room for the bar labels
     ax.set_title("PostgreSQL end to end")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=3, loc="upper left")
     labels, ours, raws = [], [], []
     for backend, raw_name in (("kafka", RAW_KAFKA), ("sqlite", RAW_SQLITE)):
         labels.append(backend)
@@ -579,8 +581,9 @@ def charts(data: dict[str, Any]) -> None:
     ax2.set_xticks(range(2))
     ax2.set_xticklabels(labels)
     ax2.set_yscale("log")
+    ax2.set_ylim(top=max([*ours, *raws, 1]) * 4)
     ax2.set_title("Kafka / SQLite (1 process)")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=8, loc="upper left")
     fig.suptitle(f"{data['mode']} run, {data['date']}")
     fig.tight_layout()
     fig.savefig(ROOT / "docs" / "benchmarks-throughput.png", dpi=110)
