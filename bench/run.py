@@ -302,7 +302,12 @@ def render(data: dict[str, Any]) -> str:
     )
     versions = data.get("versions", {})
     if versions:
-        w("- Services and tools: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+        names = {"postgresql": "PostgreSQL", "node": "Node", "go": "Go", "kafka": "Apache Kafka"}
+        shown = [
+            f"{names.get(k, k)} {str(v).removeprefix('go version ').removeprefix(names.get(k, k) + ' ')}"
+            for k, v in versions.items()
+        ]
+        w("- Services and tools: " + ", ".join(shown))
     w(
         f"- Every system runs {CONCURRENCY} workers per process (River: 100, its quick start's setting) and "
         f"submits in batches of {cfg['batch']} with its own batch-insert API, from a separate process; "
@@ -446,9 +451,11 @@ def render(data: dict[str, Any]) -> str:
     w("### Peers")
     w("")
     for p in data.get("peers", []):
-        w(
-            f"- **{p['name']}** {p['version']}: {p['notes']}. Harness: `bench/peers/` (our code, their public API)."
-        )
+        notes = _peers.NOTES.get(p["name"], p["notes"])
+        w(f"- **{p['name']}** {p['version']}: {notes}. Harness: `bench/peers/` (our code, their public API).")
+    if data.get("peers") is not None and not data.get("peers_missing"):
+        w("")
+        w("Every peer installed from its own registry and ran; none had to be left out.")
     for p in data.get("peers_missing", []):
         w(f"- **{p['name']}** could not be installed: `{_scrub(p['command'])}` failed with:")
         w("")
