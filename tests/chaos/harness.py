@@ -79,6 +79,7 @@ class WorkerProc:
     log: Path
     killed: bool = False
     stopped: bool = False
+    served: bool = False  # answered /metrics or /readyz at least once (it got past start-up)
     last_scrape: dict[str, float] = field(default_factory=dict)
 
 
@@ -163,6 +164,7 @@ class ChaosRun:
         self.depth_errors: Counter[str] = Counter()
         self.clients: list[ClientStats] = [ClientStats() for _ in range(CLIENTS)]
         self.crashes: list[str] = []
+        self.refused_starts = 0
         self.stop_load = threading.Event()
         self.stop_sampling = threading.Event()
         self._lock = threading.Lock()
@@ -324,10 +326,18 @@ class ChaosRun:
                         continue
                     with contextlib.suppress(Exception):
                         worker.last_scrape = scrape(worker.metrics_port, timeout=1.0).turns
+                        worker.served = True
             for worker in self.live_workers():
                 if worker.proc.poll() is not None and not worker.killed:
                     with self._lock:
                         worker.killed = True
+                    if worker.proc.returncode == 2 and not worker.served and self.refused_starts < 100:
+                        # By design a worker whose transport is unreachable at start exits 2 at once
+                        # (a replacement started while a server restarts); like a kubelet, start
+                        # another. Exit 2 after start-up, or a refusal loop, stays a failure.
+                        self.refused_starts += 1
+                        self.start_worker()
+                        continue
                     self.crashes.append(
                         f"{worker.worker_id} exited {worker.proc.returncode} unprompted:\n"
                         f"{self._tail(worker.log)}"
@@ -497,6 +507,7 @@ class ChaosRun:
                 url = f"http://127.0.0.1:{worker.metrics_port}/readyz"
                 with urllib.request.urlopen(url, timeout=2) as response:
                     if response.status == 200:
+                        worker.served = True
                         return
             time.sleep(0.2)
         self.crashes.append(f"{worker.worker_id} was not ready {timeout:.0f}s after it started")
@@ -691,6 +702,7 @@ class ChaosRun:
             "accepted_answers": dict(sorted(answered.items())),
             "accepted_then_cancelled": accepted_cancelled,
             "workers_started": len(self.workers),
+            "worker_starts_refused": self.refused_starts,
             "recovered_in_s": self.recovered_in_s,
             "violations": violations,
             "fault_log": self.fault_log,
