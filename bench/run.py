@@ -294,6 +294,8 @@ def render(data: dict[str, Any]) -> str:
         f"- Machine: {m['cores']} cores, {m['memory_gib']} GiB memory, {m['cpu_model']}, "
         f"{m['os']} {m['kernel']}, Python {m['python']}"
     )
+    if data.get("elapsed_s"):
+        w(f"- Duration of this run: {data['elapsed_s'] / 60:.0f} minutes")
     lb, la = data["load_before"], data.get("load_after", data["load_before"])
     w(
         f"- Load average (1/5/15 min): {lb[0]:.2f} / {lb[1]:.2f} / {lb[2]:.2f} at the start, "
@@ -542,8 +544,8 @@ def render(data: dict[str, Any]) -> str:
     w("")
     w("```")
     w("pip install -e '.[bench]'")
-    w("python -m bench.run --quick   # about 30-60 minutes on 2 cores")
-    w("python -m bench.run --full    # the issue's sizes (20,000 turns, 1M queued): several hours")
+    w("python -m bench.run --quick   # about 10 minutes on 2 cores, once the peers are installed")
+    w("python -m bench.run --full    # the issue's sizes (20,000 turns, 1M queued): about 35 minutes")
     w("```")
     return "\n".join(lines) + "\n"
 
