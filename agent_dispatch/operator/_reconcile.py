@@ -191,6 +191,15 @@ _PG_FAILURES: Final = (
 )
 
 
+def _spec_changed(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
+    """Did our apply change the object? ``generation`` moves only with the spec, whereas the
+    resourceVersion also moves when a controller writes status between our read and our apply."""
+    old, new = before.get("metadata") or {}, after.get("metadata") or {}
+    if old.get("generation") and new.get("generation"):
+        return bool(old["generation"] != new["generation"])
+    return bool(old.get("resourceVersion") != new.get("resourceVersion"))
+
+
 def _postgres_failure(exc: BaseException) -> str:
     """A category, never the driver's text: libpq messages quote addresses, users and database
     names, which must not reach .status or events."""
@@ -250,10 +259,9 @@ def _apply_children(
                 autoscaler_error = f"{kind} is not served by this cluster (is its operator installed?)"
                 continue
             raise
-        version = (after.get("metadata") or {}).get("resourceVersion")
         if before is None:
             changes.append(Change(kind, name, "created"))
-        elif (before.get("metadata") or {}).get("resourceVersion") != version:
+        elif _spec_changed(before, after):
             changes.append(Change(kind, name, "updated"))
     for api_version, kind, name in rendered.absent:
         try:

@@ -18,6 +18,7 @@ from typing import Any
 
 from agent_dispatch.envelope import AgentTurnEnvelope, open_envelope, peek_job_id
 from agent_dispatch.errors import (
+    BackendUnavailable,
     Cancelled,
     DispatchError,
     Fenced,
@@ -292,7 +293,7 @@ class Worker:
     def _commit(self, delivery: Delivery, lease: Lease, failure: TurnFailed | None) -> str:
         started = time.perf_counter()
         if failure is None:
-            self.store.commit(lease, Outcome.SUCCEEDED)
+            self._commit_durably(lease, Outcome.SUCCEEDED)
             outcome = "succeeded"
         elif failure.retryable:
             item = self.store.retry(lease, error=str(failure))
@@ -305,12 +306,33 @@ class Worker:
                 self._release(delivery, max(delay, 0.0))
                 return "retried"
         else:
-            self.store.commit(lease, Outcome.FAILED, error=str(failure))
+            self._commit_durably(lease, Outcome.FAILED, error=str(failure))
             outcome = "failed"
         self._ack(delivery)
         m.COMMIT_SECONDS.observe(time.perf_counter() - started)
         m.TURNS.labels(outcome).inc()
         return outcome
+
+    def _commit_durably(self, lease: Lease, outcome: Outcome, *, error: str | None = None) -> None:
+        """Commit; when the database drops the connection mid-commit (a restart), the outcome is
+        unknown, so ask again: a fenced commit is idempotent per lease, and a repeat reports
+        whether the first one had applied. Fencing errors are answers, not doubts: they propagate."""
+        for attempt in range(3):
+            try:
+                self.store.commit(lease, outcome, error=error)
+                return
+            except Exception as exc:
+                # Fencing errors are answers; an unreachable store or an unclassified driver
+                # error leaves the outcome unknown.
+                if isinstance(exc, DispatchError) and not isinstance(exc, BackendUnavailable):
+                    raise
+                if attempt == 2:
+                    raise BackendUnavailable("commit outcome unknown after 3 attempts") from exc
+                log.warning(
+                    "commit outcome unknown; asking again",
+                    extra={"work_item_id": lease.work_item_id, "error": type(exc).__name__},
+                )
+            self._stop_claiming.wait(0.5 * (attempt + 1))
 
     def _lease_lost(self, delivery: Delivery, exc: LeaseLost) -> str:
         reason = (

@@ -248,3 +248,33 @@ def test_shutdown_past_grace_hands_the_turn_back(running: list[Worker]) -> None:
     other.start()
     running.append(other)
     wait_for(lambda: store.get(item.id).state is WorkState.SUCCEEDED, what="completed elsewhere")
+
+
+def test_a_commit_whose_outcome_is_unknown_is_asked_again_and_counted_once(running: list[Worker]) -> None:
+    """The database applies the commit but the connection drops before the answer (a restart)."""
+    from agent_dispatch.errors import BackendUnavailable
+    from agent_dispatch.worker import _metrics
+
+    recorder = Recorder()
+    store, transport, worker = make(recorder, concurrency=1)
+    real_commit = store.commit
+    dropped: list[str] = []
+
+    def commit_then_drop(lease: Any, outcome: Outcome, **kw: Any) -> Any:
+        result = real_commit(lease, outcome, **kw)
+        if not dropped:
+            dropped.append(lease.work_item_id)
+            raise BackendUnavailable("connection lost during COMMIT")
+        return result
+
+    store.commit = commit_then_drop  # type: ignore[method-assign]
+    before = _metrics.TURNS.labels("succeeded")._value.get()
+    item = enqueue(store, transport)
+    worker.start()
+    running.append(worker)
+    wait_for(lambda: transport.depth() == 0, what="acknowledged after the repeat")
+    assert dropped == [item.id]
+    assert store.get(item.id).state is WorkState.SUCCEEDED
+    assert _metrics.TURNS.labels("succeeded")._value.get() == before + 1
+    commits = [r for r in store.outcomes(item.id) if r.event == "commit"]
+    assert len(commits) == 1
