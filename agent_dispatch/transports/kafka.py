@@ -591,6 +591,7 @@ class _ThreadConsumer:
             "socket.nagle.disable": True,
             "logger": _ClientLog(),
             "error_cb": _ErrorReporter("consumer"),
+            "on_commit": self._on_commit,
             **transport.tuning.consumer_config,
         }
         self.consumer = Consumer(config)
@@ -620,6 +621,20 @@ class _ThreadConsumer:
         for tp in partitions:
             if tp.topic == self._topic:
                 self._parts.pop(tp.partition, None)
+
+    def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        """Results of asynchronous commits (served inside this consumer's own calls).
+
+        A failed commit (broker restarting, coordinator moving) is forgotten, so the next commit
+        sends that position again. Otherwise ``committed`` would claim the broker has it, and an
+        idle partition would keep its acknowledged deliveries counted in the lag for ever.
+        """
+        for tp in partitions or []:
+            if err is None and tp.error is None:
+                continue
+            state = self._parts.get(tp.partition) if tp.topic == self._topic else None
+            if state is not None and state.committed is not None and state.committed[0] == tp.offset:
+                state.committed = None
 
     # -- claim ---------------------------------------------------------------------------------
 

@@ -681,6 +681,7 @@ class ChaosRun:
         accepted_cancelled = sum(
             1 for job in accepted if job in items and items[job].state is WorkState.CANCELLED
         )
+        messages = self._topic_messages() if self.name == "kafka" else None
         self.report = {
             "transport": self.name,
             "seed": self.seed,
@@ -702,12 +703,32 @@ class ChaosRun:
             "accepted_answers": dict(sorted(answered.items())),
             "accepted_then_cancelled": accepted_cancelled,
             "workers_started": len(self.workers),
+            # Kafka: every message ever produced, re-driven duplicates included (each ran at most once).
+            "topic_messages": messages,
             "worker_starts_refused": self.refused_starts,
             "recovered_in_s": self.recovered_in_s,
             "violations": violations,
             "fault_log": self.fault_log,
         }
         return self.report
+
+    def _topic_messages(self) -> int | None:
+        from confluent_kafka import Consumer, TopicPartition
+
+        env = self.backend.env
+        consumer = Consumer(
+            {"bootstrap.servers": env["KAFKA_BOOTSTRAP_SERVERS"], "group.id": f"chaos-count-{self.seed}"}
+        )
+        try:
+            topic = env["AGENT_DISPATCH_KAFKA_TOPIC"]
+            partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+            return sum(
+                consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in partitions
+            )
+        except Exception:
+            return None
+        finally:
+            consumer.close()
 
     def _final_depth(self) -> int | str:
         deadline = time.monotonic() + 90
@@ -720,7 +741,37 @@ class ChaosRun:
             if depth == 0:
                 return 0
             time.sleep(0.5)
+        if self.name == "kafka":
+            depth = f"{depth}; {self._kafka_diagnosis()}"
         return depth
+
+    def _kafka_diagnosis(self) -> str:
+        """Per partition: committed offset, high watermark; and the group's members."""
+        from confluent_kafka import Consumer, TopicPartition
+        from confluent_kafka.admin import AdminClient
+
+        env = self.backend.env
+        group = env["AGENT_DISPATCH_KAFKA_GROUP"]
+        topic = env["AGENT_DISPATCH_KAFKA_TOPIC"]
+        consumer = Consumer({"bootstrap.servers": env["KAFKA_BOOTSTRAP_SERVERS"], "group.id": group})
+        try:
+            parts = [
+                TopicPartition(topic, p)
+                for p in consumer.list_topics(topic, timeout=10).topics[topic].partitions
+            ]
+            committed = {tp.partition: tp.offset for tp in consumer.committed(parts, timeout=10)}
+            high = {tp.partition: consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in parts}
+            admin = AdminClient({"bootstrap.servers": env["KAFKA_BOOTSTRAP_SERVERS"]})
+            described = admin.describe_consumer_groups([group])[group].result(timeout=10)
+            members = [
+                (m.client_id, sorted(tp.partition for tp in m.assignment.topic_partitions))
+                for m in described.members
+            ]
+            return f"committed {committed} high {high} state {described.state} members {members}"
+        except Exception as exc:
+            return f"no diagnosis: {exc!r}"
+        finally:
+            consumer.close()
 
 
 def _retry(fn: Callable[[], Any], attempts: int = 20) -> Any:
