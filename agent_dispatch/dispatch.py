@@ -49,7 +49,7 @@ class _SharedStore(Protocol):
 
 @runtime_checkable
 class _SharedBatchStore(Protocol):
-    """A shared store that can submit a whole batch, and run the admission, in one transaction."""
+    """A store that can submit a whole batch in one transaction (and run the caller's admission in it)."""
 
     def submit_many_in_transaction(
         self, requests: Sequence[SubmitRequest], then: Callable[[Any, list[WorkItem]], None]
@@ -210,15 +210,9 @@ def enqueue_many(
         return [o for o in outcomes if o is not None]
 
     fresh: list[tuple[int, WorkItem]] = []
-    for index, request in enumerate(requests):
-        try:
-            check_envelope_fields(request)
-            result = store.submit(request)
-        except DispatchError as exc:
-            outcomes[index] = exc
-            continue
+    for index, result in _submit_each(store, requests):
         outcomes[index] = result
-        if result.created and _admittable(result.item):
+        if isinstance(result, SubmitResult) and result.created and _admittable(result.item):
             fresh.append((index, result.item))
     items = [item for _, item in fresh]
     try:
@@ -243,6 +237,39 @@ def enqueue_many(
             outcomes[index] = exc
     _mark_dispatched(store, admitted)
     return [o for o in outcomes if o is not None]
+
+
+def _submit_each(
+    store: WorkItemStore, requests: Sequence[SubmitRequest]
+) -> list[tuple[int, SubmitResult | DispatchError]]:
+    """Submit every request (no admission), each with its own outcome, in order.
+
+    A store that can submit a batch in one transaction does so (requests with dependencies go
+    one by one); a batch that fails as a whole is retried one by one, so each request still gets
+    its own answer.
+    """
+    outcomes: list[tuple[int, SubmitResult | DispatchError]] = []
+    valid: list[int] = []
+    for index, request in enumerate(requests):
+        try:
+            check_envelope_fields(request)
+            valid.append(index)
+        except DispatchError as exc:
+            outcomes.append((index, exc))
+    if isinstance(store, _SharedBatchStore) and not any(requests[i].depends_on for i in valid):
+        try:
+            results = store.submit_many_in_transaction([requests[i] for i in valid], lambda conn, items: None)
+        except DispatchError:
+            pass  # nothing of the batch was kept: one by one below
+        else:
+            outcomes.extend(zip(valid, results, strict=True))
+            return sorted(outcomes, key=lambda pair: pair[0])
+    for index in valid:
+        try:
+            outcomes.append((index, store.submit(requests[index])))
+        except DispatchError as exc:
+            outcomes.append((index, exc))
+    return sorted(outcomes, key=lambda pair: pair[0])
 
 
 def _enqueue_batch_shared(
