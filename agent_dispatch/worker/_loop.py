@@ -308,9 +308,11 @@ class Worker:
         else:
             self._commit_durably(lease, Outcome.FAILED, error=str(failure))
             outcome = "failed"
+        # Counted once the commit is durable, whatever happens to the acknowledgement: a failed
+        # ack only means the delivery comes back and is settled as a duplicate.
+        m.TURNS.labels(outcome).inc()
         self._ack(delivery)
         m.COMMIT_SECONDS.observe(time.perf_counter() - started)
-        m.TURNS.labels(outcome).inc()
         return outcome
 
     def _commit_durably(self, lease: Lease, outcome: Outcome, *, error: str | None = None) -> None:

@@ -269,7 +269,8 @@ class ChartOperator:
         return [
             line
             for line in self.text().splitlines()
-            if re.search(r"\b403\b|forbidden", line, re.IGNORECASE)
+            # Not a bare "403": log timestamps carry milliseconds such as "24.403".
+            if re.search(r"forbidden|status\W{0,3}403\b|\b403 \w", line, re.IGNORECASE)
             and not EXPECTED_FORBIDDEN.search(line)
             and (not about or any(text in line for text in about))
         ]
