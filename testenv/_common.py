@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Self
 
 CACHE_ROOT = Path(os.environ.get("AGENT_DISPATCH_CACHE", Path.home() / ".cache" / "agent-dispatch"))
 
@@ -134,3 +138,107 @@ def go_env() -> dict[str, str]:
     env.setdefault("GOFLAGS", "-mod=mod")
     env.setdefault("CGO_ENABLED", "0")
     return env
+
+
+STOP_TIMEOUT_S = 30
+PORT_ATTEMPTS = 3
+
+
+def lost_port_race(log: Path) -> bool:
+    # free_port() only says a port was free a moment ago; another process may bind it first.
+    return "Address already in use" in log_tail(log, lines=200)
+
+
+class LoopbackService:
+    """The lifecycle every loopback test server shares: start (retrying a lost port race), stop
+    gently or crash-like, restart on the same directory and ports, close, and stop at exit.
+
+    A subclass names itself (``NAME``), its two stop signals, where it logs, and how to prepare
+    a fresh directory (``_prepare``, which sets ``_root``) and launch the process (``_launch``).
+    """
+
+    NAME = "service"
+    STOP_SIGNAL = signal.SIGTERM
+    CRASH_SIGNAL = signal.SIGKILL
+
+    def __init__(self) -> None:
+        self._root: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.RLock()
+        self._atexit_registered = False
+
+    @property
+    def log_path(self) -> Path:
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        raise NotImplementedError
+
+    def _launch(self) -> None:
+        raise NotImplementedError
+
+    def _stop_at_exit(self) -> None:
+        if not self._atexit_registered:
+            atexit.register(self.close)
+            self._atexit_registered = True
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> Self:
+        """Prepare on first call, then launch and wait until the server serves."""
+        with self._lock:
+            if self.running:
+                return self
+            if self._root is not None:  # stopped earlier: same directory and ports
+                self._launch()
+                return self
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                self._prepare()
+                try:
+                    self._launch()
+                    return self
+                except ServiceUnavailable:
+                    if attempt == PORT_ATTEMPTS or not lost_port_race(self.log_path):
+                        raise
+                    progress(
+                        f"{self.log_path.name}: a free port was taken before the server bound it; retrying"
+                    )
+                    self.close()
+            raise AssertionError("unreachable")
+
+    def stop(self, *, immediate: bool = False) -> None:
+        """Graceful shutdown or, with immediate=True, a crash-like stop."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+            if proc is None or proc.poll() is not None:
+                return
+            proc.send_signal(self.CRASH_SIGNAL if immediate else self.STOP_SIGNAL)
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=STOP_TIMEOUT_S)
+
+    def restart(self, *, immediate: bool = False) -> None:
+        """Same directory and ports, so clients holding an address reconnect by themselves."""
+        with self._lock:
+            if self._root is None:
+                raise ServiceUnavailable(f"{self.NAME} has not been started, so it cannot restart")
+            self.stop(immediate=immediate)
+            self._launch()
+
+    def close(self) -> None:
+        """Stop and delete the server's directory (runs at interpreter exit too)."""
+        with self._lock:
+            self.stop()
+            if self._root is not None:
+                shutil.rmtree(self._root, ignore_errors=True)
+                self._root = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

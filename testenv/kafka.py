@@ -6,7 +6,6 @@ version); the node runs with the machine's Java from a temporary directory on fr
 
 from __future__ import annotations
 
-import atexit
 import base64
 import contextlib
 import fcntl
@@ -16,13 +15,13 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
 from testenv._common import (
+    LoopbackService,
     ServiceUnavailable,
     cache_dir,
     free_port,
@@ -41,8 +40,6 @@ LOG4J_VERSION = "2.24.3"
 DEPENDENCY_PLUGIN_VERSION = "3.8.1"
 INSTALL_TIMEOUT_S = 900
 START_TIMEOUT_S = 90
-STOP_TIMEOUT_S = 30
-PORT_ATTEMPTS = 3
 JVM_OPTS = (
     "-Xms128m",
     "-Xmx512m",
@@ -195,22 +192,24 @@ def _quiet_logger() -> logging.Logger:
     return logger
 
 
-class KafkaBroker:
+class KafkaBroker(LoopbackService):
     """One KRaft node on 127.0.0.1: `start()` it, hand `bootstrap` to tests, `stop()` or `restart()` it."""
+
+    NAME = "Kafka broker"
+    # Controlled shutdown; a crash is SIGKILL (the base class's defaults, stated for the reader).
+    STOP_SIGNAL = signal.SIGTERM
+    CRASH_SIGNAL = signal.SIGKILL
 
     def __init__(
         self, version: str = KAFKA_VERSION, *, extra_config: Mapping[str, str] | None = None
     ) -> None:
+        super().__init__()
         self.kafka_version = version
         self.version = f"Apache Kafka {version}"
         self.port = 0
         self.controller_port = 0
         self._extra_config = dict(extra_config or {})
         self._libs: Path | None = None
-        self._root: Path | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._lock = threading.RLock()
-        self._atexit_registered = False
 
     # -- public attributes ------------------------------------------------------------------
 
@@ -221,69 +220,6 @@ class KafkaBroker:
     @property
     def log_path(self) -> Path:
         return self._workdir / "kafka.log"
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def start(self) -> KafkaBroker:
-        """Install and format on first call, then start the node and wait until it serves metadata."""
-        with self._lock:
-            if self.running:
-                return self
-            if self._root is not None:  # stopped earlier: same directory and ports
-                self._launch()
-                return self
-            for attempt in range(1, PORT_ATTEMPTS + 1):
-                self._prepare()
-                try:
-                    self._launch()
-                    return self
-                except ServiceUnavailable:
-                    if attempt == PORT_ATTEMPTS or not _lost_port_race(self.log_path):
-                        raise
-                    progress(
-                        f"{self.log_path.name}: a free port was taken before the server bound it; retrying"
-                    )
-                    self.close()
-            raise AssertionError("unreachable")
-
-    def stop(self, *, immediate: bool = False) -> None:
-        """Controlled shutdown (SIGTERM) or, with immediate=True, a crash (SIGKILL)."""
-        with self._lock:
-            proc, self._proc = self._proc, None
-            if proc is None or proc.poll() is not None:
-                return
-            proc.send_signal(signal.SIGKILL if immediate else signal.SIGTERM)
-            try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=STOP_TIMEOUT_S)
-
-    def restart(self, *, immediate: bool = False) -> None:
-        """Same log directory and ports, so clients holding `bootstrap` reconnect by themselves."""
-        with self._lock:
-            if self._root is None:
-                raise ServiceUnavailable("Kafka broker has not been started, so it cannot restart")
-            self.stop(immediate=immediate)
-            self._launch()
-
-    def close(self) -> None:
-        """Stop and delete the node's directory (runs at interpreter exit too)."""
-        with self._lock:
-            self.stop()
-            if self._root is not None:
-                shutil.rmtree(self._root, ignore_errors=True)
-                self._root = None
-
-    def __enter__(self) -> KafkaBroker:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -296,9 +232,7 @@ class KafkaBroker:
     def _prepare(self) -> None:
         self._libs = ensure_installed(self.kafka_version)
         self._root = Path(tempfile.mkdtemp(prefix="agent-dispatch-kafka-"))
-        if not self._atexit_registered:
-            atexit.register(self.close)
-            self._atexit_registered = True
+        self._stop_at_exit()
         self.port, self.controller_port = free_port(), free_port()
         (self._workdir / "server.properties").write_text(self._server_properties())
         (self._workdir / "log4j2.properties").write_text(_LOG4J2)
@@ -413,8 +347,3 @@ class KafkaBroker:
         metadata = admin.list_topics(timeout=3)
         # The node is usable once it has registered itself as an (unfenced) broker.
         return bool(metadata.brokers)
-
-
-def _lost_port_race(log: Path) -> bool:
-    # free_port() only says a port was free a moment ago; another process may bind it first.
-    return "Address already in use" in log_tail(log, lines=200)

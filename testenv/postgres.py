@@ -7,30 +7,25 @@ connection. It is tuned for tests, not durability: fsync and friends are off.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import pwd
 import re
-import shutil
 import signal
 import subprocess
 import tempfile
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import LiteralString
 
-from testenv._common import ServiceUnavailable, free_port, log_tail, progress, wait_until
+from testenv._common import LoopbackService, ServiceUnavailable, free_port, log_tail, progress, wait_until
 
 PG_ROOT = Path("/usr/lib/postgresql")
 TEST_USER = "agentdispatch-test"
 SUPERUSER = "postgres"
 APT_TIMEOUT_S = 900
 START_TIMEOUT_S = 60
-STOP_TIMEOUT_S = 30
-PORT_ATTEMPTS = 3
 _DBNAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 # Test speed over durability; max_connections leaves room for pools of many workers at once.
@@ -165,16 +160,19 @@ def _unprivileged_user() -> _OsUser | None:
     raise ServiceUnavailable(f"no unprivileged OS user ({TEST_USER} or nobody) to run PostgreSQL as")
 
 
-class PostgresServer:
+class PostgresServer(LoopbackService):
     """One PostgreSQL cluster on 127.0.0.1; `start()` it, hand `dsn` to tests, `stop()` or `restart()` it."""
 
+    NAME = "PostgreSQL server"
+    # Fast shutdown aborts sessions (SIGTERM would wait for every client to leave); SIGQUIT is
+    # PostgreSQL's immediate, crash-like stop.
+    STOP_SIGNAL = signal.SIGINT
+    CRASH_SIGNAL = signal.SIGQUIT
+
     def __init__(self) -> None:
+        super().__init__()
         self._install: Installation | None = None
         self._user: _OsUser | None = None
-        self._root: Path | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._lock = threading.RLock()
-        self._atexit_registered = False
         self.port = 0
         self.version = ""
 
@@ -195,69 +193,6 @@ class PostgresServer:
     @property
     def data_dir(self) -> Path:
         return self._workdir / "data"
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def start(self) -> PostgresServer:
-        """Initialise on first call, then start the server and wait until it accepts connections."""
-        with self._lock:
-            if self.running:
-                return self
-            if self._root is not None:  # stopped earlier: same directory and ports
-                self._launch()
-                return self
-            for attempt in range(1, PORT_ATTEMPTS + 1):
-                self._prepare()
-                try:
-                    self._launch()
-                    return self
-                except ServiceUnavailable:
-                    if attempt == PORT_ATTEMPTS or not _lost_port_race(self.log_path):
-                        raise
-                    progress(
-                        f"{self.log_path.name}: a free port was taken before the server bound it; retrying"
-                    )
-                    self.close()
-            raise AssertionError("unreachable")
-
-    def stop(self, *, immediate: bool = False) -> None:
-        """Fast shutdown (sessions are aborted) or, with immediate=True, a crash-like stop."""
-        with self._lock:
-            proc, self._proc = self._proc, None
-            if proc is None or proc.poll() is not None:
-                return
-            proc.send_signal(signal.SIGQUIT if immediate else signal.SIGINT)
-            try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=STOP_TIMEOUT_S)
-
-    def restart(self, *, immediate: bool = False) -> None:
-        """Same data directory and port, so DSNs that clients hold stay valid."""
-        with self._lock:
-            if self._root is None:
-                raise ServiceUnavailable("PostgreSQL server has not been started, so it cannot restart")
-            self.stop(immediate=immediate)
-            self._launch()
-
-    def close(self) -> None:
-        """Stop and delete the data directory (runs at interpreter exit too)."""
-        with self._lock:
-            self.stop()
-            if self._root is not None:
-                shutil.rmtree(self._root, ignore_errors=True)
-                self._root = None
-
-    def __enter__(self) -> PostgresServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- databases ---------------------------------------------------------------------------
 
@@ -298,9 +233,7 @@ class PostgresServer:
         if self._user is not None:
             os.chown(root, self._user.uid, self._user.gid)
         self._root = root
-        if not self._atexit_registered:
-            atexit.register(self.close)
-            self._atexit_registered = True
+        self._stop_at_exit()
         self._initdb()
         self.port = free_port()
         self._write_config()
@@ -424,8 +357,3 @@ def _checked_name(name: str) -> str:
     if not _DBNAME_RE.match(name):
         raise ValueError(f"invalid database name {name!r}: use a-z, 0-9 and _ (at most 63)")
     return name
-
-
-def _lost_port_race(log: Path) -> bool:
-    # free_port() only says a port was free a moment ago; another process may bind it first.
-    return "Address already in use" in log_tail(log, lines=200)
