@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Final, Protocol, runtime_checkable
 
@@ -27,6 +28,17 @@ from agent_dispatch.models import (
 SCHEMA_VERSION: Final = 1
 MAX_ERROR_CHARS: Final = 2000
 MAX_TENANT_CHARS: Final = 200
+
+
+@dataclass(frozen=True)
+class StartedTurn:
+    """One delivery leased and started by :meth:`WorkItemStore.start_many`.
+
+    ``lease`` is already RUNNING: the same lease ``claim`` then ``mark_running`` would return.
+    """
+
+    lease: Lease
+    payload: bytes
 
 
 @runtime_checkable
@@ -75,6 +87,30 @@ class WorkItemStore(Protocol):
         """
 
     def mark_running(self, lease: Lease) -> Lease: ...
+
+    def start_many(
+        self, owner: str, claims: Sequence[tuple[str, str]], *, ttl_s: float | None = None
+    ) -> dict[str, StartedTurn]:
+        """Lease and start, in one step, each named ``(work_item_id, tenant)`` that is simply claimable.
+
+        Simply claimable: the tenant matches; READY and due, or LEASED/RUNNING with an expired
+        lease (a reclaim); an attempt left; no deadline passed (store clock). Each such item gets
+        exactly what ``claim`` then ``mark_running`` would give it (attempt, epoch, a fresh fencing
+        token, owner, expiry, the 'claim' and 'running' records) and comes back by id with its
+        payload. Every other item is left untouched and absent: the caller takes the one-by-one
+        path (``claim`` and so on), which explains and handles it. A repeated id is started once
+        (its first pair counts). One round trip on PostgreSQL, one transaction elsewhere.
+        """
+
+    def commit_many(self, commits: Sequence[tuple[Lease, Outcome, str | None]]) -> dict[str, WorkItem]:
+        """Fenced terminal commits, as ``commit(lease, outcome, error=error)`` (not retryable), at once.
+
+        Commits each ``(lease, outcome, error)`` whose lease is current and unexpired and whose
+        item nobody depends on; returns the committed items by id. Anything else (fenced, expired,
+        already committed, cancelled, or with dependents to settle) is left untouched and absent:
+        the caller commits it with ``commit``, which answers or raises as always. Of two entries
+        for the same lease only the first counts. One round trip on PostgreSQL.
+        """
 
     def renew(self, lease: Lease, *, ttl_s: float | None = None) -> Lease: ...
 

@@ -1,7 +1,7 @@
 """Random interleavings of the WorkItem lifecycle against a simple model (Hypothesis stateful).
 
-Workers claim (next or by name), run, renew, check before side effects, commit, retry and defer;
-some of them hold stale leases, some forge theirs (another tenant, owner, epoch or token); users
+Workers claim (next or by name), run, renew, check before side effects, commit, retry and defer,
+also in batches (start_many: claim + run; commit_many); some of them hold stale leases, some forge theirs (another tenant, owner, epoch or token); users
 cancel; deadlines pass and the clock moves. After every step the store must agree with the
 model, and the invariants hold: no call from a stale epoch or the wrong tenant is accepted,
 terminal states never change, fencing tokens strictly increase, attempts never exceed the maximum.
@@ -270,6 +270,80 @@ class StoreMachine(RuleBasedStateMachine):
         if result is None and not self._dead_lettered_by_claim(m):
             assert False in self.claimable(before), "a claimable item was not claimed"
         return multiple()
+
+    def startable(self, m: Model, tenant: str) -> set[bool]:
+        """Whether start_many may take ``m`` at the call instant: {True}, {False} or both."""
+
+        def at(t: float) -> bool:
+            if tenant != m.tenant or m.attempt >= MAX_ATTEMPTS:
+                return False
+            if m.deadline is not None and m.deadline <= t:
+                return False
+            if m.state is WorkState.READY:
+                return m.not_before is None or m.not_before <= t
+            return m.state in LEASED_STATES and m.expires is not None and m.expires <= t
+
+        return {at(self.lo), at(self.hi)}
+
+    @rule(
+        target=leases,
+        picks=st.lists(st.tuples(items, st.booleans()), min_size=1, max_size=4),
+        worker=st.sampled_from(WORKERS),
+    )
+    def start_many(self, picks: list[tuple[str, bool]], worker: str) -> Any:
+        claims = [
+            (
+                item,
+                next(t for t in TENANTS if t != self.model[item].tenant)
+                if wrong
+                else self.model[item].tenant,
+            )
+            for item, wrong in picks
+        ]
+        result = self.call(lambda: self.store.start_many(worker, claims))
+        assert not isinstance(result, DispatchError), result
+        first = dict(reversed(claims))  # the first pair per id counts
+        for item, tenant in first.items():
+            possible = self.startable(self.model[item], tenant)
+            if item in result:
+                assert True in possible, f"start_many took {item}, which was not simply claimable"
+            else:
+                assert False in possible, f"start_many left out {item}, which was simply claimable"
+        assert set(result) <= set(first)
+        leases = []
+        for turn in sorted(result.values(), key=lambda turn: turn.lease.fencing_token):
+            assert turn.payload == b"{}" and turn.lease.owner == worker
+            leases.append(self._take(turn.lease))
+            self.model[turn.lease.work_item_id].state = WorkState.RUNNING
+        return multiple(*leases)
+
+    @rule(
+        picks=st.lists(
+            st.tuples(leases, st.sampled_from((Outcome.SUCCEEDED, Outcome.FAILED, Outcome.CANCELLED))),
+            min_size=1,
+            max_size=4,
+        )
+    )
+    def commit_many(self, picks: list[tuple[Lease, Outcome]]) -> None:
+        result = self.call(
+            lambda: self.store.commit_many([(lease, outcome, "x") for lease, outcome in picks])
+        )
+        assert not isinstance(result, DispatchError), result
+        first: dict[tuple[str, str, str, int, int], tuple[Lease, Outcome]] = {}
+        for lease, outcome in picks:
+            key = (lease.work_item_id, lease.tenant, lease.owner, lease.lease_epoch, lease.fencing_token)
+            first.setdefault(key, (lease, outcome))
+        for lease, outcome in first.values():
+            expected = self.expect_fenced(lease)  # nothing in this machine has dependents
+            got = result.get(lease.work_item_id)
+            if got is None or got.fencing_token != lease.fencing_token:  # tokens are unique per claim
+                assert expected != {OK}, f"commit_many left out {lease.work_item_id}, whose lease is current"
+                continue
+            assert OK in expected, f"commit_many committed {lease.work_item_id} under {expected}"
+            assert got.state.value == outcome.value and got.outcome is outcome
+            m = self.model[lease.work_item_id]
+            m.state, m.outcome, m.commit_token = got.state, outcome, lease.fencing_token
+        assert set(result) <= {lease.work_item_id for lease, _ in first.values()}
 
     @rule(
         lease=leases,

@@ -8,7 +8,7 @@ the same typed error from every backend.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -37,7 +37,7 @@ from agent_dispatch.models import (
     new_id,
 )
 from agent_dispatch.settings import Settings
-from agent_dispatch.store import MAX_TENANT_CHARS, check_payload
+from agent_dispatch.store import MAX_TENANT_CHARS, bound_error, check_payload
 
 #: Our rows in the shared ``agent_dispatch_schema_version`` table (the queue has its own component).
 COMPONENT: Final = "workitems"
@@ -375,6 +375,44 @@ def check_named_claim(view: View | None, work_item_id: str, tenant: str | None) 
     if view.state in LEASED_STATES and view.live:
         raise LeaseHeld(f"work item {work_item_id} is leased to another worker (epoch {view.lease_epoch})")
     return view.state in LEASED_STATES or view.due
+
+
+def startable(view: View | None, tenant: str, *, overdue: bool) -> bool:
+    """Whether ``start_many`` takes the item: claimable now with no question for ``claim`` to answer.
+
+    The tenant matches; READY and due, or leased with an expired lease; an attempt left; its
+    deadline (``overdue``: passed by the store clock) not passed. Anything else is left for
+    ``claim``, which raises, dead-letters or waits as the case needs.
+    """
+    if view is None or view.tenant != tenant or overdue or view.attempt >= view.max_attempts:
+        return False
+    if view.state is WorkState.READY:
+        return view.due
+    return view.state in LEASED_STATES and not view.live
+
+
+def distinct_claims(claims: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``start_many``'s requests: the first ``(work_item_id, tenant)`` per id, in id order (one lock order)."""
+    first: dict[str, str] = {}
+    for work_item_id, tenant in claims:
+        first.setdefault(work_item_id, tenant)
+    return sorted(first.items())
+
+
+def distinct_commits(
+    commits: Sequence[tuple[Lease, Outcome, str | None]],
+) -> list[tuple[Lease, Outcome, str | None]]:
+    """``commit_many``'s requests: the first per lease identity, outcome checked, error bounded, in id order.
+
+    Two entries can only both pass the fence when they name the same lease, so keeping the first
+    of each makes the result the same whether the backend applies them in turn or all at once.
+    """
+    first: dict[tuple[str, str, str, int, int], tuple[Lease, Outcome, str | None]] = {}
+    for lease, outcome, error in commits:
+        key = (lease.work_item_id, lease.tenant, lease.owner, lease.lease_epoch, lease.fencing_token)
+        if key not in first:
+            first[key] = (lease, Outcome(outcome), bound_error(error))
+    return [first[key] for key in sorted(first)]
 
 
 def check_owner(owner: str) -> None:

@@ -29,7 +29,7 @@ from agent_dispatch.models import (
     WorkItem,
     WorkState,
 )
-from agent_dispatch.store import backoff_s, bound_error
+from agent_dispatch.store import StartedTurn, backoff_s, bound_error
 from agent_dispatch.stores._common import (
     COMMIT_STATE,
     DEPENDENCY_FAILED,
@@ -39,6 +39,8 @@ from agent_dispatch.stores._common import (
     check_named_claim,
     check_owner,
     dependency_reason,
+    distinct_claims,
+    distinct_commits,
     exhausted_error,
     fence_violation,
     idempotency_conflict,
@@ -47,6 +49,7 @@ from agent_dispatch.stores._common import (
     prepare_submit,
     repeated_commit,
     require_dt,
+    startable,
     to_ts,
     view_of,
 )
@@ -330,11 +333,39 @@ class EngineStore(ABC):
         with self._write() as tx:
             row = self._fenced(tx, lease)
             if row.state is WorkState.LEASED:
-                row.state = WorkState.RUNNING
-                row.updated_at = tx.now
-                tx.save(row)
-                self._event(tx, row, Event.RUNNING)
+                self._run_row(tx, row)
             return make_lease(row.record())
+
+    def _run_row(self, tx: Tx, row: Row) -> None:
+        row.state = WorkState.RUNNING
+        row.updated_at = tx.now
+        tx.save(row)
+        self._event(tx, row, Event.RUNNING)
+
+    def start_many(
+        self, owner: str, claims: Sequence[tuple[str, str]], *, ttl_s: float | None = None
+    ) -> dict[str, StartedTurn]:
+        check_owner(owner)
+        ttl = self.limits.ttl(ttl_s)
+        wanted = distinct_claims(claims)
+        started: dict[str, StartedTurn] = {}
+        if not wanted:
+            return started
+        with self._write() as tx:
+            for work_item_id, tenant in wanted:
+                row = tx.load(work_item_id)
+                if row is None:
+                    continue
+                overdue = row.deadline is not None and row.deadline <= tx.now
+                if not startable(view_of(row.record(), now=tx.now), tenant, overdue=overdue):
+                    continue
+                lease = self._take(tx, row, owner, ttl)  # attempts are left: it leases, never dead-letters
+                assert lease is not None
+                self._run_row(tx, row)
+                payload = tx.payload(work_item_id)
+                assert payload is not None
+                started[work_item_id] = StartedTurn(make_lease(row.record()), payload)
+        return started
 
     def renew(self, lease: Lease, *, ttl_s: float | None = None) -> Lease:
         ttl = self.limits.ttl(ttl_s)
@@ -368,19 +399,38 @@ class EngineStore(ABC):
             ):
                 return CommitResult(make_item(row.record()), repeated=True)
             row = self._fenced(tx, lease, row)
-            row.state = COMMIT_STATE[outcome]
-            row.outcome = outcome
-            row.error = bound_error(error)
-            row.commit_token = lease.fencing_token
-            row.lease_expires_at = None
-            row.updated_at = tx.now
-            tx.save(row)
-            self._event(tx, row, Event.COMMIT, detail=row.error, outcome=outcome)
+            self._commit_row(tx, row, lease, outcome, bound_error(error))
             if outcome is Outcome.SUCCEEDED:
                 self._release(tx, row)
             else:
                 self._cascade(tx, row)
             return CommitResult(make_item(row.record()))
+
+    def _commit_row(self, tx: Tx, row: Row, lease: Lease, outcome: Outcome, error: str | None) -> None:
+        row.state = COMMIT_STATE[outcome]
+        row.outcome = outcome
+        row.error = error
+        row.commit_token = lease.fencing_token
+        row.lease_expires_at = None
+        row.updated_at = tx.now
+        tx.save(row)
+        self._event(tx, row, Event.COMMIT, detail=row.error, outcome=outcome)
+
+    def commit_many(self, commits: Sequence[tuple[Lease, Outcome, str | None]]) -> dict[str, WorkItem]:
+        wanted = distinct_commits(commits)
+        committed: dict[str, WorkItem] = {}
+        if not wanted:
+            return committed
+        with self._write() as tx:
+            for lease, outcome, error in wanted:
+                row = tx.load(lease.work_item_id)
+                if row is None or fence_violation(view_of(row.record(), now=tx.now), lease) is not None:
+                    continue
+                if tx.dependents(row.id):
+                    continue  # dependents to settle: commit() does that
+                self._commit_row(tx, row, lease, outcome, error)
+                committed[row.id] = make_item(row.record())
+        return committed
 
     def retry(self, lease: Lease, *, error: str | None = None) -> WorkItem:
         return self._retry(lease, error)[0]

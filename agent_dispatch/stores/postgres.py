@@ -12,7 +12,10 @@ Round trips: for an item nobody depends on, a claim and a commit are one autocom
 each (the lease and its provenance record in one statement through a data-modifying CTE). An
 item with dependents takes the transactional form, because releasing or cancelling them must
 happen in the same transaction: the fast statements carry ``NOT has_dependents`` so they can
-never settle such an item alone.
+never settle such an item alone. A worker's batch is two statements in all: ``start_many`` leases,
+starts and reads every simply claimable item of the batch (``START_MANY``), ``commit_many`` commits
+every current lease of an item nobody depends on (``COMMIT_MANY``); what either leaves out goes
+the one-by-one way above.
 
 Dependencies are exact under concurrency: a dependency counts its dependents down
 (``pending_deps``) with an UPDATE of the dependent row, which PostgreSQL serialises per row, and
@@ -63,7 +66,7 @@ from agent_dispatch.models import (
 )
 from agent_dispatch.settings import Settings
 from agent_dispatch.settings import load as load_settings
-from agent_dispatch.store import SCHEMA_VERSION, backoff_s, bound_error
+from agent_dispatch.store import SCHEMA_VERSION, StartedTurn, backoff_s, bound_error
 from agent_dispatch.stores._common import (
     COMMIT_STATE,
     COMPONENT,
@@ -78,6 +81,8 @@ from agent_dispatch.stores._common import (
     check_named_claim,
     check_owner,
     dependency_reason,
+    distinct_claims,
+    distinct_commits,
     fence_violation,
     idempotency_conflict,
     make_item,
@@ -103,26 +108,48 @@ ACTIVE: Final = "state IN ('ready', 'leased', 'running')"
 NON_TERMINAL: Final = "state IN ('submitted', 'ready', 'leased', 'running')"
 RETURN_ITEM: Final = ITEM_SELECT + ", has_dependents"
 RETURN_W: Final = ", ".join(f"w.{c}" for c in ITEM_COLUMNS) + ", w.has_dependents"
-FENCE: Final = (
-    "id = %(id)s AND tenant = %(tenant)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s"
-    " AND fencing_token = %(token)s AND state IN ('leased', 'running')"
-    # Written as a difference, not ``lease_expires_at > now``: that form would tempt the planner
-    # into the lease-expiry index (cost: every live lease) instead of the primary key (one row).
-    f" AND lease_expires_at - {NOW} > interval '0'"
-)
+
+
+def _param(name: str) -> str:
+    """A value of the one request a statement serves: its named parameter."""
+    return f"%({name})s"
+
+
+def _column(name: str) -> str:
+    """A value of one request of a batch: its column of the unnested arrays (see ``commit_sql``)."""
+    return f"c_{name}"
+
+
+def fence_sql(arg: Callable[[str], str] = _param) -> str:
+    """The fence condition: the row is held by exactly this lease (``arg`` names where its fields come from)."""
+    return (
+        f"id = {arg('id')} AND tenant = {arg('tenant')} AND lease_owner = {arg('owner')}"
+        f" AND lease_epoch = {arg('epoch')}"
+        f" AND fencing_token = {arg('token')} AND state IN ('leased', 'running')"
+        # Written as a difference, not ``lease_expires_at > now``: that form would tempt the planner
+        # into the lease-expiry index (cost: every live lease) instead of the primary key (one row).
+        f" AND lease_expires_at - {NOW} > interval '0'"
+    )
+
+
+FENCE: Final = fence_sql()
 #: The single-statement fast path: an item nobody depends on needs nothing else in its transaction.
 NO_DEPENDENTS: Final = " AND NOT has_dependents"
 #: A claim or retry that cannot dead-letter, or can without dependents to cancel.
 NO_CASCADE: Final = " AND (attempt < max_attempts OR NOT has_dependents)"
 
 
-def _event_sql(event: str, outcome: str = "NULL", detail: str = "NULL", owner: str = "lease_owner") -> str:
-    """An INSERT of one provenance record per row of the ``upd`` CTE (for ``WITH ... ev AS (...)``)."""
+def _event_select(event: str, outcome: str = "NULL", detail: str = "NULL", owner: str = "lease_owner") -> str:
+    """One provenance record per row of the ``upd`` CTE, in :data:`OUTCOME_SELECT` order."""
     return (
-        f"INSERT INTO {OUTCOMES} ({OUTCOME_SELECT})"
-        f" SELECT id, tenant, {event}, {owner}, lease_epoch, fencing_token, updated_at, {outcome}, {detail}"
+        f"SELECT id, tenant, {event}, {owner}, lease_epoch, fencing_token, updated_at, {outcome}, {detail}"
         " FROM upd"
     )
+
+
+def _event_sql(event: str, outcome: str = "NULL", detail: str = "NULL", owner: str = "lease_owner") -> str:
+    """An INSERT of one provenance record per row of the ``upd`` CTE (for ``WITH ... ev AS (...)``)."""
+    return f"INSERT INTO {OUTCOMES} ({OUTCOME_SELECT}) " + _event_select(event, outcome, detail, owner)
 
 
 # --- schema ------------------------------------------------------------------------------------------
@@ -247,9 +274,13 @@ INSERT_DEPENDENCIES: Final = (
 
 # Lease the candidate, or dead-letter it when another attempt would exceed its maximum.
 _FRESH: Final = "w.attempt < w.max_attempts"
-_TAKE: Final = f"""
+
+
+def _take_sql(leased: str = "leased", returning: str = "") -> str:
+    """Lease each ``cand`` row into state ``leased`` (start_many takes it straight to 'running')."""
+    return f"""
     UPDATE {T} w SET
-        state = CASE WHEN {_FRESH} THEN 'leased' ELSE 'dead_letter' END,
+        state = CASE WHEN {_FRESH} THEN '{leased}' ELSE 'dead_letter' END,
         attempt = CASE WHEN {_FRESH} THEN w.attempt + 1 ELSE w.attempt END,
         lease_epoch = CASE WHEN {_FRESH} THEN w.lease_epoch + 1 ELSE w.lease_epoch END,
         fencing_token = CASE WHEN {_FRESH} THEN nextval('{TOKENS}') ELSE w.fencing_token END,
@@ -262,17 +293,25 @@ _TAKE: Final = f"""
                 ELSE 'attempts exhausted (' || w.attempt || ' of ' || w.max_attempts || ')' END,
         updated_at = {NOW}
     FROM cand WHERE w.id = cand.cid AND cand.simple
-    RETURNING {RETURN_W}, cand.prev_state, cand.prev_owner
+    RETURNING {RETURN_W}, cand.prev_state, cand.prev_owner{returning}
 """
-_TAKE_EVENT: Final = f"""
+
+
+def _take_event_sql(leased: str = "leased", then: str = "") -> str:
+    """The 'claim' (or 'dead_letter') record of each row ``_take_sql(leased)`` updated, ``then`` more."""
+    return f"""
     INSERT INTO {OUTCOMES} ({OUTCOME_SELECT})
-    SELECT id, tenant, CASE WHEN state = 'leased' THEN 'claim' ELSE 'dead_letter' END, lease_owner,
+    SELECT id, tenant, CASE WHEN state = '{leased}' THEN 'claim' ELSE 'dead_letter' END, lease_owner,
            lease_epoch, fencing_token, updated_at,
-           CASE WHEN state = 'leased' THEN NULL ELSE outcome END,
-           CASE WHEN state <> 'leased' THEN error
+           CASE WHEN state = '{leased}' THEN NULL ELSE outcome END,
+           CASE WHEN state <> '{leased}' THEN error
                 WHEN prev_state <> 'ready' THEN 'reclaimed an expired lease held by ' || prev_owner END
-    FROM upd
+    FROM upd{then}
 """
+
+
+_TAKE: Final = _take_sql()
+_TAKE_EVENT: Final = _take_event_sql()
 _CLAIMABLE: Final = (
     f"{ACTIVE} AND CASE WHEN state = 'ready' THEN coalesce(not_before <= {NOW}, true)"
     f" ELSE lease_expires_at <= {NOW} END"
@@ -329,18 +368,46 @@ WITH upd AS (
 ), ev AS ({_event_sql("'running'")})
 SELECT * FROM upd
 """
+
+# start_many: claim + mark_running for a batch of named items, one autocommit statement. Only the
+# simply claimable are taken (attempts left, so no dead letter and nothing to cascade; deadline not
+# passed; tenant as named); a row another transaction has locked is skipped, not waited for. The
+# records are 'claim' then 'running' per item (a UNION ALL is inserted branch by branch, in order).
+START_MANY: Final = f"""
+WITH cand AS (
+    SELECT id AS cid, state AS prev_state, lease_owner AS prev_owner, true AS simple
+    FROM {T} JOIN unnest(%(ids)s::text[], %(tenants)s::text[]) AS req(rid, rtenant)
+        ON id = req.rid AND tenant = req.rtenant
+    WHERE {_CLAIMABLE} AND attempt < max_attempts AND (deadline IS NULL OR deadline - {NOW} > interval '0')
+    ORDER BY id
+    FOR UPDATE OF {T} SKIP LOCKED
+), upd AS ({_take_sql("running", ", w.payload")}), ev AS ({
+    _take_event_sql("running", " UNION ALL " + _event_select("'running'"))
+})
+SELECT * FROM upd
+"""
 RENEW: Final = (
     f"UPDATE {T} SET lease_expires_at = {NOW} + %(ttl)s::float8 * interval '1 second', updated_at = {NOW}"
     f" WHERE {FENCE} RETURNING {ITEM_SELECT}"
 )
 
 
-def commit_sql(extra: str = "") -> str:
+#: commit_many's requests, one row per lease; ``_column`` names its columns.
+COMMIT_BATCH: Final = (
+    " FROM unnest(%(ids)s::text[], %(tenants)s::text[], %(owners)s::text[], %(epochs)s::bigint[],"
+    " %(tokens)s::bigint[], %(states)s::text[], %(outcomes)s::text[], %(errors)s::text[])"
+    " AS c(c_id, c_tenant, c_owner, c_epoch, c_token, c_state, c_outcome, c_error)"
+)
+
+
+def commit_sql(extra: str = "", *, batch: bool = False) -> str:
+    """The fenced terminal commit of one lease, or (``batch``) of every lease in COMMIT_BATCH's arrays."""
+    arg = _column if batch else _param
     return f"""
 WITH upd AS (
-    UPDATE {T} SET state = %(state)s, outcome = %(outcome)s, error = %(error)s,
-        commit_token = fencing_token, lease_expires_at = NULL, updated_at = {NOW}
-    WHERE {FENCE}{extra}
+    UPDATE {T} SET state = {arg("state")}, outcome = {arg("outcome")}, error = {arg("error")},
+        commit_token = fencing_token, lease_expires_at = NULL, updated_at = {NOW}{COMMIT_BATCH if batch else ""}
+    WHERE {fence_sql(arg)}{extra}
     RETURNING {RETURN_ITEM}
 ), ev AS ({_event_sql("'commit'", "outcome", "error")})
 SELECT * FROM upd
@@ -349,6 +416,7 @@ SELECT * FROM upd
 
 COMMIT: Final = commit_sql()
 COMMIT_FAST: Final = commit_sql(NO_DEPENDENTS)
+COMMIT_MANY: Final = commit_sql(NO_DEPENDENTS, batch=True)
 
 
 def retry_sql(extra: str = "") -> str:
@@ -921,6 +989,20 @@ class PostgresStore:
 
         return self._run(run, transaction=False)
 
+    def start_many(
+        self, owner: str, claims: Sequence[tuple[str, str]], *, ttl_s: float | None = None
+    ) -> dict[str, StartedTurn]:
+        check_owner(owner)
+        ttl = self.limits.ttl(ttl_s)
+        wanted = distinct_claims(claims)
+        if not wanted:
+            return {}
+        params = self._p(
+            owner=owner, ttl=ttl, ids=[i for i, _ in wanted], tenants=[tenant for _, tenant in wanted]
+        )
+        rows = self._run(lambda conn: conn.execute(START_MANY, params).fetchall(), transaction=False)
+        return {rec["id"]: StartedTurn(make_lease(rec), bytes(rec["payload"])) for rec in rows}
+
     def renew(self, lease: Lease, *, ttl_s: float | None = None) -> Lease:
         ttl = self.limits.ttl(ttl_s)
 
@@ -975,6 +1057,23 @@ class PostgresStore:
             return CommitResult(make_item(rec))
 
         return self._run(run)
+
+    def commit_many(self, commits: Sequence[tuple[Lease, Outcome, str | None]]) -> dict[str, WorkItem]:
+        wanted = distinct_commits(commits)
+        if not wanted:
+            return {}
+        params = self._p(
+            ids=[lease.work_item_id for lease, _, _ in wanted],
+            tenants=[lease.tenant for lease, _, _ in wanted],
+            owners=[lease.owner for lease, _, _ in wanted],
+            epochs=[lease.lease_epoch for lease, _, _ in wanted],
+            tokens=[lease.fencing_token for lease, _, _ in wanted],
+            states=[COMMIT_STATE[outcome].value for _, outcome, _ in wanted],
+            outcomes=[outcome.value for _, outcome, _ in wanted],
+            errors=[error for _, _, error in wanted],
+        )
+        rows = self._run(lambda conn: conn.execute(COMMIT_MANY, params).fetchall(), transaction=False)
+        return {rec["id"]: make_item(rec) for rec in rows}
 
     def retry(self, lease: Lease, *, error: str | None = None) -> WorkItem:
         return self._retry(lease, error)[0]
