@@ -272,6 +272,10 @@ class KafkaTuning:
     #: Consumer group session timeout (a crashed process's partitions move after this); capped at
     #: the visibility timeout, since librdkafka needs it at or below max.poll.interval.ms.
     session_timeout_s: float = 45.0
+    #: Upper bound on :meth:`KafkaTransport.close` (and on closing one consumer). librdkafka's own
+    #: waits are unbounded or as long as the session timeout when the group coordinator is
+    #: unavailable; past this, what is unconfirmed is abandoned (see ``close``).
+    close_timeout_s: float = 5.0
     #: Producer linger. The flusher's flush() sends at once while it runs; linger only delays a
     #: message produced while the flusher is between rounds, so it can join the next request.
     linger_ms: float = 2.0
@@ -611,8 +615,12 @@ class _ThreadConsumer:
     def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Hand over exactly the acknowledged prefix (and what lies past it), so the next owner
         # starts at the first unacknowledged turn; what this thread still holds becomes stale.
+        # Inside close() the prefix was already sent (asynchronously, awaited by librdkafka's
+        # close): a synchronous commit here would wait up to the session timeout for an
+        # unavailable coordinator, past any shutdown grace.
         revoked = {tp.partition for tp in partitions if tp.topic == self._topic}
-        self.commit(synchronous=True, only=revoked)
+        if not self.closed:
+            self.commit(synchronous=True, only=revoked)
         for partition in revoked:
             self._parts.pop(partition, None)
 
@@ -806,11 +814,20 @@ class _ThreadConsumer:
 
     # -- commits ---------------------------------------------------------------------------------
 
-    def commit(self, *, force: bool = False, synchronous: bool = False, only: set[int] | None = None) -> None:
+    def commit(
+        self,
+        *,
+        force: bool = False,
+        synchronous: bool = False,
+        resend: bool = False,
+        only: set[int] | None = None,
+    ) -> None:
         """Commit each partition's acknowledged prefix (with metadata), at most once per interval.
 
         Within the interval the commit is left to the background committer (or the next claim),
         so a burst of acknowledgements costs one request, and an idle owner's last ones still land.
+        ``resend`` (and ``synchronous``) sends every position even if an earlier asynchronous
+        commit already carried it, since that one may have failed unnoticed.
         """
         now = time.monotonic()
         if not force and not synchronous and now - self._last_commit < self._commit_interval_s:
@@ -828,7 +845,7 @@ class _ThreadConsumer:
                 continue
             metadata = state.commit_metadata()
             # On revoke and close: even if an asynchronous commit already carried it, confirm it.
-            if synchronous or state.committed != (position, metadata):
+            if synchronous or resend or state.committed != (position, metadata):
                 offsets.append(TopicPartition(self._topic, partition, position, metadata))
                 state.committed = (position, metadata)
         if not offsets:
@@ -847,19 +864,40 @@ class _ThreadConsumer:
                     failed.committed = None
             log.warning("kafka offset commit failed", extra={"kafka_error": _describe(exc)})
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+    def close(self, timeout_s: float) -> bool:
+        """Stop serving, send the acknowledged prefix and leave the group, within ``timeout_s``.
+
+        Callable from any thread that does not hold ``lock``. Returns True when librdkafka's close
+        finished in time. Its waits are not bounded by anything we can pass: a synchronous commit
+        waits up to the session timeout for an unavailable group coordinator, and the close itself
+        waits for outstanding commits and the group leave. So the commit is sent asynchronously
+        (the close waits for it while the coordinator answers) and the close runs on a helper
+        thread that is abandoned at the deadline. Nothing is lost then: an unconfirmed commit
+        means the next owner redelivers acknowledged turns (skipped against their settled
+        WorkItems), and a member that did not leave is removed after its session timeout.
+        """
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        if not self.lock.acquire(timeout=max(0.0, timeout_s)):
+            return False  # the owner is inside a call that does not return: the group times it out
         try:
-            self.commit(synchronous=True)
+            if self.closed:
+                return True
+            self.closed = True  # from here no other thread calls into the consumer
+            self.commit(force=True, resend=True)
         finally:
-            try:
-                # Leaves the group at once (the partitions move now, not after a session timeout).
-                self.consumer.close()
-            except (KafkaException, RuntimeError) as exc:
-                log.warning("kafka consumer close failed", extra={"kafka_error": _describe(exc)})
-            self._parts.clear()
+            self.lock.release()
+        closer = threading.Thread(target=self._close_client, name=f"kafka-close-{self.uid}", daemon=True)
+        closer.start()
+        closer.join(max(0.0, deadline - time.monotonic()))
+        return not closer.is_alive()
+
+    def _close_client(self) -> None:
+        try:
+            # Leaves the group at once (the partitions move now, not after a session timeout).
+            self.consumer.close()
+        except (KafkaException, RuntimeError) as exc:
+            log.warning("kafka consumer close failed", extra={"kafka_error": _describe(exc)})
+        self._parts.clear()
 
 
 def _work_item_id(message: Message) -> str:
@@ -900,11 +938,8 @@ class _Committer:
                 try:
                     if not tc.thread.is_alive():
                         self._t._forget(tc)
-                        if tc.lock.acquire(timeout=5.0):
-                            try:
-                                tc.close()
-                            finally:
-                                tc.lock.release()
+                        if not tc.close(self._t.tuning.close_timeout_s):
+                            log.warning("kafka consumer of an exited thread did not close in time")
                     elif tc.dirty:
                         if not tc.lock.acquire(blocking=False):
                             retry = True  # the owner is in a call; look again after the interval
@@ -1019,34 +1054,61 @@ class KafkaTransport:
                 time.sleep(0.1)
 
     def close(self) -> None:
-        """Flush and stop the producer, commit and close every consumer (call after workers stop)."""
+        """Commit and close every consumer, flush the producer (call after workers stop).
+
+        Returns within ``tuning.close_timeout_s`` whatever the cluster does (a worker must exit
+        within its shutdown grace even while the broker or the group coordinator is down): the
+        consumers close in parallel, each abandoned at the deadline (see ``_ThreadConsumer.close``),
+        and the producer's flush gets what is left. An undelivered message is the caller's
+        ``DeliveryFailed`` (admission cancels its WorkItem) or a re-drive the sweep repeats.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             consumers = list(self._consumers.values())
             self._consumers.clear()
+        deadline = time.monotonic() + self.tuning.close_timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         if self._committer is not None:
-            self._committer.stop(timeout_s=10.0)
-        for tc in consumers:
-            # Bounded: an owner thread blocked in claim() gives the lock back within its wait.
-            if tc.lock.acquire(timeout=10.0):
-                try:
-                    tc.close()
-                finally:
-                    tc.lock.release()
-            else:
-                log.warning("kafka consumer still busy at close; leaving it to the group timeout")
+            # Between rounds it stops at once; closing an exited thread's consumer, it keeps its
+            # own bound and needs no waiting for (that consumer is no longer in the list).
+            self._committer.stop(timeout_s=min(left(), 1.0))
+        closers = [
+            threading.Thread(target=self._close_consumer_within, args=(tc, left()), daemon=True)
+            for tc in consumers
+        ]
+        for closer in closers:
+            closer.start()
+        for closer in closers:
+            closer.join(left())
         if self._flusher is not None:
-            self._flusher.stop(timeout_s=5.0)
+            self._flusher.stop(timeout_s=min(left(), 1.0))
         if self._producer is not None:
-            remaining = self._producer.flush(min(self.tuning.delivery_timeout_s, 10.0))
+            remaining = self._producer.flush(left())
             if remaining:
                 log.warning("kafka producer closed with undelivered messages", extra={"count": remaining})
-        with self._probe_lock:
-            reader, self._reader = self._reader, None
+        reader = None
+        if self._probe_lock.acquire(timeout=left()):
+            try:
+                reader, self._reader = self._reader, None
+            finally:
+                self._probe_lock.release()
         if reader is not None:
-            reader.close()
+            closing = threading.Thread(target=reader.close, name="kafka-close-offsets", daemon=True)
+            closing.start()
+            closing.join(left())
+
+    @staticmethod
+    def _close_consumer_within(tc: _ThreadConsumer, timeout_s: float) -> None:
+        if not tc.close(timeout_s):
+            log.warning(
+                "kafka consumer did not close in time; the group removes it after its session timeout",
+                extra={"timeout_s": round(timeout_s, 1)},
+            )
 
     def close_consumer(self) -> None:
         """Close the calling thread's consumer (a worker thread that exits calls this)."""
@@ -1056,8 +1118,7 @@ class KafkaTransport:
         self._local.consumer = None
         with self._lock:
             self._consumers.pop(tc.uid, None)
-        with tc.lock:
-            tc.close()
+        tc.close(self.tuning.close_timeout_s)
 
     # -- admission -------------------------------------------------------------------------------
 

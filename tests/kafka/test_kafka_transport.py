@@ -379,6 +379,58 @@ def test_admission_rejects_when_the_broker_is_stopped(
     assert transport.depth() >= 2
 
 
+def test_close_is_bounded_while_the_broker_is_down_and_loses_nothing(
+    make_transport: Callable[..., KafkaTransport],
+    kafka_broker: KafkaBroker,
+    kafka_bootstrap: str,
+    kafka_topic_name: str,
+) -> None:
+    """A worker must exit within its grace after SIGTERM even while the broker is down: close()
+    may not wait for the group coordinator (librdkafka's synchronous commit waits up to the
+    session timeout, per consumer). What it could not confirm is redelivered, never lost."""
+    group = f"g.{kafka_topic_name}"
+    # Session timeout = visibility timeout (6 s): before, each consumer's close waited that long.
+    transport = make_transport(visibility_timeout_s=6.0, close_timeout_s=2.0)
+    transport.admit([_turn(f"t{i}") for i in range(4)])
+    claimed, joined, closed = threading.Event(), threading.Event(), threading.Event()
+
+    def holder() -> None:
+        # A worker thread with its own consumer: t0 acknowledged, the rest withheld. It stays
+        # alive (an exited thread's consumer is closed by the committer) until close() is done.
+        got = _claim_until(transport, 4, owner="w")
+        assert [d.work_item_id for d in got] == ["t0", "t1", "t2", "t3"]
+        transport.ack(got[0].receipt)
+        claimed.set()
+        closed.wait(timeout=WAIT_S * 3)
+
+    def idle() -> None:
+        transport.claim("w2", wait_s=0.5)  # a second consumer in the group (no partition to get)
+        joined.set()
+        closed.wait(timeout=WAIT_S * 3)
+
+    threads = [threading.Thread(target=holder), threading.Thread(target=idle)]
+    threads[0].start()
+    assert claimed.wait(timeout=WAIT_S * 2)
+    threads[1].start()
+    assert joined.wait(timeout=WAIT_S)
+    _eventually(lambda: _committed(kafka_bootstrap, group, kafka_topic_name) == {0: 1}, "t0 committed")
+    kafka_broker.stop()
+    try:
+        started = time.monotonic()
+        transport.close()
+        took = time.monotonic() - started
+    finally:
+        closed.set()
+        kafka_broker.start()
+        for thread in threads:
+            thread.join(timeout=WAIT_S)
+    assert took < 2.0 + 1.5, f"close() took {took:.1f} s with the broker down"
+    # Nothing lost: the withheld turns come back to the next consumer of the group.
+    after = make_transport(visibility_timeout_s=6.0)
+    got = _in_thread(lambda: _claim_until(after, 3, owner="next", timeout=WAIT_S * 3), timeout=WAIT_S * 4)
+    assert sorted(d.work_item_id for d in got) == ["t1", "t2", "t3"]
+
+
 def _admits(transport: KafkaTransport) -> bool:
     try:
         transport.admit([_turn("after")])
