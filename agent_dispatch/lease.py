@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import heapq
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any, ParamSpec, Self, TypeVar
 
@@ -46,8 +47,11 @@ class WorkItemLeaseGuard:
         interval_s: float,
         on_renew: Callable[[], None] | None = None,
         on_lost: Callable[[LeaseLost], None] | None = None,
+        renewer: LeaseRenewer | None = None,
     ) -> None:
         self._store = store
+        self._renewer = renewer
+        self._context: contextvars.Context | None = None
         self._lease = lease
         self._ttl_s = ttl_s
         self._interval_s = interval_s
@@ -74,6 +78,10 @@ class WorkItemLeaseGuard:
 
     def __enter__(self) -> Self:
         context = contextvars.copy_context()
+        if self._renewer is not None:
+            self._context = context
+            self._renewer.add(self)
+            return self
         self._thread = threading.Thread(
             target=context.run,
             args=(self._renew_loop,),
@@ -88,6 +96,8 @@ class WorkItemLeaseGuard:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._renewer is not None:
+            self._renewer.discard(self)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self._ttl_s)
 
@@ -128,6 +138,20 @@ class WorkItemLeaseGuard:
             if self._on_lost is not None:
                 self._on_lost(exc)
 
+    def _tick(self) -> float | None:
+        """One scheduled renewal (by a :class:`LeaseRenewer`): seconds until the next, or None."""
+        if self._stop.is_set():
+            return None
+        try:
+            assert self._context is not None
+            self._context.run(self.renew)
+        except LeaseLost:
+            return None
+        except Exception:
+            log.warning("lease renewal failed; retrying", exc_info=True)
+            return min(1.0, self._interval_s / 2)
+        return self._interval_s
+
     def _renew_loop(self) -> None:
         while not self._stop.wait(self._interval_s):
             try:
@@ -141,17 +165,90 @@ class WorkItemLeaseGuard:
                     return
 
 
+class LeaseRenewer:
+    """One thread that renews every registered guard on its schedule.
+
+    A thread per turn costs a start and a join on every turn, which short turns feel; a worker
+    shares one renewer between its claim loops instead. Renewals run one after another, so a
+    store that stalls delays them all alike (the lease expiry still protects).
+    """
+
+    def __init__(self, name: str = "lease-renewer") -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, WorkItemLeaseGuard]] = []
+        self._active: set[int] = set()
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, guard: WorkItemLeaseGuard) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._active.add(id(guard))
+            self._push(guard, guard._interval_s)
+
+    def discard(self, guard: WorkItemLeaseGuard) -> None:
+        with self._cond:
+            self._active.discard(id(guard))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _push(self, guard: WorkItemLeaseGuard, delay_s: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._due, (time.monotonic() + delay_s, self._seq, guard))
+        self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed:
+                    # Discarded guards are dropped lazily, as they reach the front.
+                    while self._due and id(self._due[0][2]) not in self._active:
+                        heapq.heappop(self._due)
+                    wait = self._due[0][0] - time.monotonic() if self._due else None
+                    if wait is not None and wait <= 0:
+                        break
+                    self._cond.wait(wait)
+                if self._closed:
+                    return
+                _, _, guard = heapq.heappop(self._due)
+            next_s = guard._tick()
+            with self._cond:
+                if next_s is not None and id(guard) in self._active:
+                    self._push(guard, next_s)
+
+
 # --- session serialisation ----------------------------------------------------------------------
 
 _local_locks: dict[str, tuple[threading.Lock, int]] = {}
 _local_guard = threading.Lock()
 
 
-@contextlib.contextmanager
-def _local_session_lock(session_id: str, timeout_s: float) -> Iterator[None]:
+def _enter_local(session_id: str) -> threading.Lock:
     with _local_guard:
         lock, users = _local_locks.get(session_id, (threading.Lock(), 0))
         _local_locks[session_id] = (lock, users + 1)
+    return lock
+
+
+def _leave_local(session_id: str) -> None:
+    with _local_guard:
+        lock, users = _local_locks[session_id]
+        if users <= 1:
+            del _local_locks[session_id]
+        else:
+            _local_locks[session_id] = (lock, users - 1)
+
+
+@contextlib.contextmanager
+def _local_session_lock(session_id: str, timeout_s: float) -> Iterator[None]:
+    lock = _enter_local(session_id)
     try:
         if not lock.acquire(timeout=timeout_s):
             raise LeaseHeld(f"session busy in this process for more than {timeout_s:g}s")
@@ -160,12 +257,7 @@ def _local_session_lock(session_id: str, timeout_s: float) -> Iterator[None]:
         finally:
             lock.release()
     finally:
-        with _local_guard:
-            lock, users = _local_locks[session_id]
-            if users <= 1:
-                del _local_locks[session_id]
-            else:
-                _local_locks[session_id] = (lock, users - 1)
+        _leave_local(session_id)
 
 
 def advisory_key(session_id: str) -> int:
@@ -222,6 +314,60 @@ def _advisory_session_lock(
                 conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
     finally:
         conn.close()
+
+
+@contextlib.contextmanager
+def session_batch_guard(
+    session_ids: Iterable[str],
+    *,
+    connect: Callable[[], Any] | None = None,
+    idle_timeout_s: float | None = None,
+) -> Iterator[tuple[SessionHold, set[str]]]:
+    """Take the session locks of a batch of turns without waiting; yields the sessions held.
+
+    The batch counterpart of :func:`session_execution_guard`: every session lock of the batch is
+    tried in one statement on one lent connection and released in one, so a batch of short turns
+    costs two round trips instead of two per turn. A session that is busy elsewhere (another
+    thread or worker) is left out; the caller hands those turns back rather than waiting while it
+    holds other leases.
+    """
+    local: list[tuple[str, threading.Lock, bool]] = []
+    held: set[str] = set()
+    try:
+        for session_id in dict.fromkeys(session_ids):
+            lock = _enter_local(session_id)
+            got = lock.acquire(blocking=False)
+            local.append((session_id, lock, got))
+            if got:
+                held.add(session_id)
+        if connect is None or not held:
+            yield SessionHold(), held
+            return
+        conn = connect()
+        try:
+            keys = {advisory_key(s): s for s in held}
+            timeout = f"{int(idle_timeout_s * 1000)}ms" if idle_timeout_s is not None else None
+            # One round trip: the stall timeout (see _advisory_session_lock) and every lock.
+            rows = conn.execute(
+                "SELECT k, pg_try_advisory_lock(k) FROM (SELECT set_config('idle_session_timeout',"
+                " coalesce(%s, current_setting('idle_session_timeout')), false)) AS c,"
+                " unnest(%s::bigint[]) AS k",
+                (timeout, list(keys)),
+            ).fetchall()
+            held.difference_update(keys[key] for key, got in rows if not got)
+            try:
+                yield SessionHold(conn), held
+            finally:
+                with contextlib.suppress(Exception):
+                    # The connection is dedicated to these locks, so releasing all of them is exact.
+                    conn.execute("SELECT pg_advisory_unlock_all()")
+        finally:
+            conn.close()
+    finally:
+        for session_id, lock, got in local:
+            if got:
+                lock.release()
+            _leave_local(session_id)
 
 
 @contextlib.contextmanager

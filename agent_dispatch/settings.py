@@ -60,6 +60,7 @@ ALLOWED: Final[dict[str, str]] = {
     "AGENT_DISPATCH_KAFKA_GROUP": "a Kafka consumer group id",
     "AGENT_DISPATCH_METRICS_PORT": "a TCP port from 0 to 65535 (0: do not serve)",
     "AGENT_DISPATCH_CONCURRENCY": "an integer from 1 to 256 worker threads",
+    "AGENT_DISPATCH_CLAIM_BATCH": "an integer from 1 to 256 deliveries per claim",
     "AGENT_DISPATCH_EXECUTOR": "noop, sleep, http, or a plugin as module:function",
     "AGENT_DISPATCH_EXECUTOR_URL": "an http:// or https:// URL (required for the http executor)",
     "AGENT_DISPATCH_EXECUTOR_TIMEOUT_S": "a number of seconds from 0.1 to 3600",
@@ -137,6 +138,9 @@ class Settings(BaseSettings):
 
     concurrency: Annotated[int, Field(ge=1, le=256)] = Field(
         4, validation_alias=_env("AGENT_DISPATCH_CONCURRENCY")
+    )
+    claim_batch: Annotated[int, Field(ge=1, le=256)] = Field(
+        16, validation_alias=_env("AGENT_DISPATCH_CLAIM_BATCH")
     )
     executor: Annotated[str, Field(pattern=r"^(noop|sleep|http|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")] = Field(
         "noop", validation_alias=_env("AGENT_DISPATCH_EXECUTOR")

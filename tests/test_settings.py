@@ -100,6 +100,7 @@ BOUNDS = [
     ("AGENT_DISPATCH_METRICS_PORT", ["0", "65535"], "metrics_port"),
     ("AGENT_DISPATCH_RENEW_INTERVAL_S", ["0.1", "119.9"], "renew_interval_s"),
     ("AGENT_DISPATCH_CONCURRENCY", ["1", "256"], "concurrency"),
+    ("AGENT_DISPATCH_CLAIM_BATCH", ["1", "256"], "claim_batch"),
     ("AGENT_DISPATCH_EXECUTOR_TIMEOUT_S", ["0.1", "3600"], "executor_timeout_s"),
     ("AGENT_DISPATCH_SHUTDOWN_GRACE_S", ["0", "3600"], "shutdown_grace_s"),
     ("AGENT_DISPATCH_GATEWAY_PORT", ["0", "65535"], "gateway_port"),
@@ -155,6 +156,7 @@ INVALID = [
     ({"AGENT_DISPATCH_METRICS_PORT": "70000"}, "AGENT_DISPATCH_METRICS_PORT", ["65535"]),
     ({"AGENT_DISPATCH_CONCURRENCY": "0"}, "AGENT_DISPATCH_CONCURRENCY", ["1 to 256"]),
     ({"AGENT_DISPATCH_CONCURRENCY": "257"}, "AGENT_DISPATCH_CONCURRENCY", ["less than or equal to 256"]),
+    ({"AGENT_DISPATCH_CLAIM_BATCH": "0"}, "AGENT_DISPATCH_CLAIM_BATCH", ["1 to 256"]),
     ({"AGENT_DISPATCH_EXECUTOR": "rm -rf"}, "AGENT_DISPATCH_EXECUTOR", ["module:function"]),
     (
         {"AGENT_DISPATCH_EXECUTOR": "http"},

@@ -29,18 +29,19 @@ from agent_dispatch.errors import (
     NotFound,
     PoisonEnvelope,
 )
-from agent_dispatch.lease import SessionHold, WorkItemLeaseGuard, session_execution_guard
+from agent_dispatch.lease import LeaseRenewer, SessionHold, WorkItemLeaseGuard, session_execution_guard
 from agent_dispatch.models import Lease, Outcome, WorkItem, WorkState
 from agent_dispatch.settings import Settings
 from agent_dispatch.store import WorkItemStore
 from agent_dispatch.transport import Delivery, Transport
 from agent_dispatch.worker import _metrics as m
+from agent_dispatch.worker._batch import BUSY_DELAY_S, Batch
 from agent_dispatch.worker._executors import Executor, TurnFailed
 
 log = logging.getLogger("agent_dispatch.worker")
 
-#: How long a delivery whose WorkItem is busy elsewhere waits before it comes back.
-BUSY_DELAY_S = 1.0
+#: Turns shorter than this (a moving average) are claimed in batches of ``claim_batch``.
+SHORT_TURN_S = 0.05
 
 
 @dataclass
@@ -91,6 +92,9 @@ class Worker:
         self._threads: list[threading.Thread] = []
         self._in_flight: dict[str, _InFlight] = {}
         self._in_flight_lock = threading.Lock()
+        # Unknown until a turn has run: claim one at a time until turns prove short.
+        self._turn_s: float | None = None
+        self.renewer = LeaseRenewer(f"lease-renewer-{self.worker_id}")
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -124,6 +128,7 @@ class Worker:
         self._stopped.set()
         for thread in self._threads:
             thread.join(timeout=1.0)
+        self.renewer.close()
         log.info("worker stopped", extra={"worker_id": self.worker_id, "released": len(leftovers)})
 
     def _hand_back(self, flight: _InFlight) -> None:
@@ -138,25 +143,67 @@ class Worker:
 
     # --- loops ---------------------------------------------------------------------------------
 
+    @property
+    def batch_size(self) -> int:
+        """``claim_batch`` while turns are short; one at a time while they are long (or unknown),
+        so a long turn never keeps other claimed turns waiting behind it."""
+        turn_s = self._turn_s
+        return self.settings.claim_batch if turn_s is not None and turn_s < SHORT_TURN_S else 1
+
+    def _observe_turn(self, seconds: float) -> None:
+        previous = self._turn_s
+        self._turn_s = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
     def _claim_loop(self, owner: str) -> None:
         while not self._stop_claiming.is_set():
             self.state.last_loop_at = time.time()
             m.HEARTBEAT.set(self.state.last_loop_at)
             try:
                 started = time.perf_counter()
-                deliveries = self.transport.claim(owner, max_items=1, wait_s=1.0)
+                deliveries = self.transport.claim(owner, max_items=self.batch_size, wait_s=1.0)
                 if deliveries:
                     m.CLAIM_SECONDS.observe(time.perf_counter() - started)
             except Exception:
                 log.warning("transport claim failed; backing off", exc_info=True)
                 self._stop_claiming.wait(1.0)
                 continue
-            for delivery in deliveries:
-                if self._stop_claiming.is_set():
-                    with contextlib.suppress(DispatchError):
-                        self.transport.release(delivery.receipt, delay_s=0)
-                    continue
-                self._handle_safely(owner, delivery)
+            if self._stop_claiming.is_set():
+                for delivery in deliveries:
+                    self._release(delivery, 0.0)
+                continue
+            if deliveries:
+                self._handle_batch(owner, deliveries)
+
+    def _handle_batch(self, owner: str, deliveries: list[Delivery]) -> None:
+        flights = [_InFlight(delivery) for delivery in deliveries]
+        with self._in_flight_lock:
+            for flight in flights:
+                self._in_flight[flight.delivery.receipt.token] = flight
+        m.IN_FLIGHT.inc(len(flights))
+        try:
+            Batch(self, owner, flights).run()
+        except Exception:
+            # Never crash the loop on one batch; what it did not settle is redelivered.
+            log.exception("unexpected error handling a batch", extra={"deliveries": len(deliveries)})
+            for flight in flights:
+                with contextlib.suppress(Exception):
+                    self.transport.release(flight.delivery.receipt, delay_s=BUSY_DELAY_S)
+        finally:
+            m.IN_FLIGHT.dec(len(flights))
+            with self._in_flight_lock:
+                for flight in flights:
+                    self._in_flight.pop(flight.delivery.receipt.token, None)
+
+    def _handle_one(self, owner: str, flight: _InFlight) -> None:
+        """The one-by-one path, for what a batch leaves out."""
+        try:
+            self.handle(owner, flight.delivery, flight)
+        except Exception:
+            log.exception(
+                "unexpected error handling a delivery", extra={"work_item_id": flight.delivery.work_item_id}
+            )
+            with contextlib.suppress(Exception):
+                self.transport.release(flight.delivery.receipt, delay_s=BUSY_DELAY_S)
 
     def _sweep_loop(self) -> None:
         interval = self.settings.sweep_interval_s
@@ -175,26 +222,6 @@ class Worker:
                 log.warning("recovery sweep failed", exc_info=True)
 
     # --- one delivery --------------------------------------------------------------------------
-
-    def _handle_safely(self, owner: str, delivery: Delivery) -> None:
-        key = delivery.receipt.token
-        flight = _InFlight(delivery)
-        with self._in_flight_lock:
-            self._in_flight[key] = flight
-        m.IN_FLIGHT.inc()
-        try:
-            self.handle(owner, delivery, flight)
-        except Exception:
-            # Never crash the loop on one turn; leave the delivery for redelivery.
-            log.exception(
-                "unexpected error handling a delivery", extra={"work_item_id": delivery.work_item_id}
-            )
-            with contextlib.suppress(Exception):
-                self.transport.release(delivery.receipt, delay_s=BUSY_DELAY_S)
-        finally:
-            m.IN_FLIGHT.dec()
-            with self._in_flight_lock:
-                self._in_flight.pop(key, None)
 
     def handle(self, owner: str, delivery: Delivery, flight: _InFlight | None = None) -> str:
         """Process one delivery; returns what happened (for tests and logs)."""
@@ -272,6 +299,7 @@ class Worker:
                 ttl_s=self.settings.claim_ttl_s,
                 interval_s=self.settings.effective_renew_interval_s,
                 on_renew=on_renew,
+                renewer=self.renewer,
             )
             flight.guard = guard
             failure: TurnFailed | None = None
@@ -285,7 +313,9 @@ class Worker:
                     failure = exc
                 except Exception as exc:
                     failure = TurnFailed(f"{type(exc).__name__}: {exc}", retryable=True)
-            m.EXECUTE_SECONDS.observe(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            m.EXECUTE_SECONDS.observe(elapsed)
+            self._observe_turn(elapsed)
             return self._commit(delivery, guard.lease, failure)
         except LeaseLost as exc:
             return self._lease_lost(delivery, exc)
@@ -377,6 +407,15 @@ class Worker:
         )
         self._ack(delivery)
         return "poison"
+
+    def _ack_many(self, deliveries: list[Delivery]) -> None:
+        ack_many = getattr(self.transport, "ack_many", None)
+        if ack_many is None or len(deliveries) < 2:
+            for delivery in deliveries:
+                self._ack(delivery)
+            return
+        for receipt in ack_many([d.receipt for d in deliveries]):
+            log.info("stale receipt; delivery already reassigned", extra={"receipt_owner": receipt.owner})
 
     def _ack(self, delivery: Delivery) -> None:
         try:

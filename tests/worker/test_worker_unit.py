@@ -267,7 +267,17 @@ def test_a_commit_whose_outcome_is_unknown_is_asked_again_and_counted_once(runni
             raise BackendUnavailable("connection lost during COMMIT")
         return result
 
+    real_commit_many = store.commit_many
+
+    def commit_many_then_drop(commits: Any) -> Any:
+        result = real_commit_many(commits)
+        if not dropped:
+            dropped.append(commits[0][0].work_item_id)
+            raise BackendUnavailable("connection lost during COMMIT")
+        return result
+
     store.commit = commit_then_drop  # type: ignore[method-assign]
+    store.commit_many = commit_many_then_drop  # type: ignore[method-assign]
     before = _metrics.TURNS.labels("succeeded")._value.get()
     item = enqueue(store, transport)
     worker.start()
