@@ -43,7 +43,7 @@ class _SharedStore(Protocol):
     def database_identity(self) -> str: ...
 
     def submit_in_transaction(
-        self, request: SubmitRequest, then: Callable[[Any, WorkItem], None]
+        self, request: SubmitRequest, then: Callable[[Any, WorkItem], None], *, dispatched: bool = False
     ) -> SubmitResult: ...
 
 
@@ -52,7 +52,11 @@ class _SharedBatchStore(Protocol):
     """A store that can submit a whole batch in one transaction (and run the caller's admission in it)."""
 
     def submit_many_in_transaction(
-        self, requests: Sequence[SubmitRequest], then: Callable[[Any, list[WorkItem]], None]
+        self,
+        requests: Sequence[SubmitRequest],
+        then: Callable[[Any, list[WorkItem]], None],
+        *,
+        dispatched: bool = False,
     ) -> list[SubmitResult | DispatchError]: ...
 
 
@@ -163,12 +167,12 @@ def _enqueue_one(
             if _admittable(item):
                 shared.admit_on(conn, [build_turn(item, signing_key=signing_key)], bounded=True)
 
-        result = store.submit_in_transaction(request, admit_in_submit)
-    else:
-        result = store.submit(request)
-        if not (result.created and _admittable(result.item)):
-            return result
-        _admit_or_cancel(store, transport, [result.item], signing_key=signing_key)
+        # The admission runs in the submit's transaction: the insert stamps the dispatch time.
+        return store.submit_in_transaction(request, admit_in_submit, dispatched=True)
+    result = store.submit(request)
+    if not (result.created and _admittable(result.item)):
+        return result
+    _admit_or_cancel(store, transport, [result.item], signing_key=signing_key)
     if result.created and _admittable(result.item):
         _mark_dispatched(store, [result.item.id])
     return result
@@ -300,13 +304,10 @@ def _enqueue_batch_shared(
         if turns:
             shared.admit_on(conn, turns, bounded=True)
 
-    results = store.submit_many_in_transaction([requests[i] for i in valid], admit_all)
+    # The admission runs in the same transaction: the insert stamps the dispatch time.
+    results = store.submit_many_in_transaction([requests[i] for i in valid], admit_all, dispatched=True)
     for index, result in zip(valid, results, strict=True):
         outcomes[index] = result
-    _mark_dispatched(
-        store,
-        [r.item.id for r in results if isinstance(r, SubmitResult) and r.created and _admittable(r.item)],
-    )
     return [o for o in outcomes if o is not None]
 
 

@@ -253,11 +253,12 @@ INSERT_ITEM: Final = f"""
 WITH ins AS (
     INSERT INTO {T} (id, tenant, kind, queue, session_id, state, priority, deadline, attempt,
                      max_attempts, idempotency_key, depends_on, pending_deps, fairness_group,
-                     payload, payload_size, payload_digest, outcome, error, created_at, updated_at)
+                     payload, payload_size, payload_digest, outcome, error, created_at, updated_at,
+                     last_dispatched_at)
     VALUES (%(id)s, %(tenant)s, %(kind)s, %(queue)s, %(session_id)s, %(state)s, %(priority)s,
             %(deadline)s, 0, %(max_attempts)s, %(key)s, %(depends_on)s, %(pending)s,
             %(fairness_group)s, %(payload)s, %(payload_size)s, %(digest)s, %(outcome)s, %(error)s,
-            {NOW}, {NOW})
+            {NOW}, {NOW}, CASE WHEN %(dispatched)s AND %(state)s = 'ready' THEN {NOW} END)
     ON CONFLICT DO NOTHING
     RETURNING {ITEM_SELECT}
 ), ev AS (
@@ -764,7 +765,7 @@ class PostgresStore:
             raise conflict
         return SubmitResult(make_item(rec), created=False)
 
-    def _submit(self, conn: Conn, prepared: Prepared) -> SubmitResult:
+    def _submit(self, conn: Conn, prepared: Prepared, *, dispatched: bool = False) -> SubmitResult:
         # A redelivered submit is the common repeat: answer it without taking any lock.
         existing = self._existing(conn, prepared)
         if existing is not None:
@@ -790,7 +791,9 @@ class PostgresStore:
         rec = self._one(
             conn,
             INSERT_ITEM,
-            self._insert_params(prepared, state, pending=pending, outcome=outcome, error=error),
+            self._insert_params(
+                prepared, state, pending=pending, outcome=outcome, error=error, dispatched=dispatched
+            ),
         )
         if rec is None:
             # ON CONFLICT: a concurrent identical submit committed first (it waited for it).
@@ -810,8 +813,10 @@ class PostgresStore:
         pending: int = 0,
         outcome: str | None = None,
         error: str | None = None,
+        dispatched: bool = False,
     ) -> dict[str, Any]:
         return self._p(
+            dispatched=dispatched,
             id=prepared.id,
             tenant=prepared.tenant,
             kind=prepared.kind,
@@ -840,18 +845,19 @@ class PostgresStore:
         return self._dsn
 
     def submit_in_transaction(
-        self, request: SubmitRequest, then: Callable[[Conn, WorkItem], None]
+        self, request: SubmitRequest, then: Callable[[Conn, WorkItem], None], *, dispatched: bool = False
     ) -> SubmitResult:
         """``submit``, then ``then(conn, item)`` for a newly created item in the SAME transaction.
 
         The queue in the same database admits the item's envelope there: if ``then`` raises, the
         WorkItem is rolled back with it, so a refused admission leaves no orphan. A deadlock
-        victim is retried whole, ``then`` included.
+        victim is retried whole, ``then`` included. ``dispatched``: ``then`` admits every created
+        ``ready`` item, so its dispatch time is stamped by the insert (no second write of the row).
         """
         prepared = prepare_submit(request, self.limits)
 
         def run(conn: Conn) -> SubmitResult:
-            result = self._submit(conn, prepared)
+            result = self._submit(conn, prepared, dispatched=dispatched)
             if result.created:
                 then(conn, result.item)
             return result
@@ -859,7 +865,11 @@ class PostgresStore:
         return self._run(run)
 
     def submit_many_in_transaction(
-        self, requests: Sequence[SubmitRequest], then: Callable[[Conn, list[WorkItem]], None]
+        self,
+        requests: Sequence[SubmitRequest],
+        then: Callable[[Conn, list[WorkItem]], None],
+        *,
+        dispatched: bool = False,
     ) -> list[SubmitResult | DispatchError]:
         """``submit`` for a batch in ONE transaction, then ``then(conn, created_items)`` in it too.
 
@@ -868,7 +878,8 @@ class PostgresStore:
         existing item is ``created=False``, as with ``submit``) or the ``DispatchError`` that
         refused it (validation, an idempotency conflict). The inserts go to the server as one
         pipeline, so a batch costs a few round trips instead of a few per request. If ``then``
-        raises, nothing of the batch is kept. A deadlock victim is retried whole.
+        raises, nothing of the batch is kept. A deadlock victim is retried whole. ``dispatched``
+        as in :meth:`submit_in_transaction`.
         """
         prepared: list[tuple[int, Prepared]] = []
         refused: dict[int, DispatchError] = {}
@@ -887,7 +898,7 @@ class PostgresStore:
                 with conn.cursor(row_factory=dict_row) as cur:
                     cur.executemany(
                         INSERT_ITEM,
-                        [self._insert_params(p, WorkState.READY) for _, p in prepared],
+                        [self._insert_params(p, WorkState.READY, dispatched=dispatched) for _, p in prepared],
                         returning=True,
                     )
                     while True:

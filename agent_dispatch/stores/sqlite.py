@@ -403,18 +403,26 @@ class SqliteStore(EngineStore):
         return f"sqlite:{self.path.resolve()}"
 
     def submit_in_transaction(
-        self, request: SubmitRequest, then: Callable[[sqlite3.Connection, WorkItem], None]
+        self,
+        request: SubmitRequest,
+        then: Callable[[sqlite3.Connection, WorkItem], None],
+        *,
+        dispatched: bool = False,
     ) -> SubmitResult:
         """``submit``, then ``then(conn, item)`` for a newly created item in the SAME transaction.
 
         The queue in the same file admits the item's envelope there: if ``then`` raises, the
-        WorkItem is rolled back with it, so a refused admission leaves no orphan.
+        WorkItem is rolled back with it, so a refused admission leaves no orphan. ``dispatched``:
+        ``then`` admits a created ``ready`` item, so its dispatch time is recorded in the same
+        transaction.
         """
         prepared = prepare_submit(request, self.limits)
         with self._write() as tx:
             result = self._submit_tx(tx, prepared)
             if result.created:
                 then(tx.conn, result.item)
+                if dispatched and result.item.state is WorkState.READY:
+                    tx.touch_dispatched([result.item.id])
             return result
 
     # --- leader election ---------------------------------------------------------------------------------

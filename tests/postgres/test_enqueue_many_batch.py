@@ -78,3 +78,25 @@ def test_one_batch_answers_each_request_and_admits_only_new_items(
     assert deterministic_id("tenant-a", "bad") not in {
         o.item.id for o in outcomes if isinstance(o, SubmitResult)
     }
+
+
+def test_the_submit_transaction_stamps_the_dispatch_time_and_no_later_write_does(
+    shared: tuple[PostgresStore, PostgresTransport, Settings], postgres_dsn: str
+) -> None:
+    """Admitted in the submit's own transaction, so the insert records the dispatch: the recovery
+    sweep does not re-drive a fresh item."""
+    import psycopg
+
+    store, transport, settings = shared
+    single = dispatch.enqueue(store, transport, request("single"), signing_key=KEY, settings=settings).item
+    batch = dispatch.enqueue_many(
+        store, transport, [request(f"b{i}") for i in range(5)], signing_key=KEY, settings=settings
+    )
+    ids = [single.id] + [r.item.id for r in batch if isinstance(r, SubmitResult)]
+    assert len(ids) == 6
+    with psycopg.connect(postgres_dsn) as conn:
+        rows = conn.execute(
+            "SELECT last_dispatched_at IS NOT NULL FROM agent_dispatch_work_items WHERE id = ANY(%s)", (ids,)
+        ).fetchall()
+    assert [stamped for (stamped,) in rows] == [True] * 6
+    assert store.recoverable(stale_after_s=3600) == []
