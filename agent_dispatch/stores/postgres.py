@@ -269,6 +269,32 @@ WITH ins AS (
 )
 SELECT * FROM ins
 """
+# A batch of ready items without dependencies in one statement (``submit_many_in_transaction``):
+# a request whose id or idempotency key exists already (or earlier in the batch) is not returned.
+INSERT_MANY: Final = f"""
+WITH input AS (
+    SELECT * FROM unnest(%(ids)s::text[], %(tenants)s::text[], %(kinds)s::text[], %(queues)s::text[],
+                         %(sessions)s::text[], %(priorities)s::integer[], %(deadlines)s::timestamptz[],
+                         %(max_attempts)s::integer[], %(keys)s::text[], %(groups)s::text[],
+                         %(payloads)s::bytea[], %(digests)s::bytea[])
+           WITH ORDINALITY AS u(id, tenant, kind, queue, session_id, priority, deadline, max_attempts,
+                                idempotency_key, fairness_group, payload, payload_digest, ord)
+), ins AS (
+    INSERT INTO {T} (id, tenant, kind, queue, session_id, state, priority, deadline, attempt,
+                     max_attempts, idempotency_key, fairness_group, payload, payload_size,
+                     payload_digest, created_at, updated_at, last_dispatched_at)
+    SELECT id, tenant, kind, queue, session_id, 'ready', priority, deadline, 0, max_attempts,
+           idempotency_key, fairness_group, payload, octet_length(payload), payload_digest,
+           {NOW}, {NOW}, CASE WHEN %(dispatched)s THEN {NOW} END
+      FROM input ORDER BY ord
+    ON CONFLICT DO NOTHING
+    RETURNING {ITEM_SELECT}
+), ev AS (
+    INSERT INTO {OUTCOMES} ({OUTCOME_SELECT})
+    SELECT id, tenant, 'submit', NULL, 0, 0, created_at, NULL, NULL FROM ins
+)
+SELECT * FROM ins
+"""
 INSERT_DEPENDENCIES: Final = (
     f"INSERT INTO {DEPS} (dependency, dependent) SELECT unnest(%(deps)s::text[]), %(id)s"
 )
@@ -893,20 +919,30 @@ class PostgresStore:
 
         def run(conn: Conn) -> list[SubmitResult | DispatchError]:
             outcomes: dict[int, SubmitResult | DispatchError] = dict(refused)
-            recs: list[DictRow | None] = []
+            inserted: dict[str, DictRow] = {}
             if prepared:
+                ps = [p for _, p in prepared]
+                params = self._p(
+                    ids=[p.id for p in ps],
+                    tenants=[p.tenant for p in ps],
+                    kinds=[p.kind for p in ps],
+                    queues=[p.queue for p in ps],
+                    sessions=[p.session_id for p in ps],
+                    priorities=[p.priority for p in ps],
+                    deadlines=[p.deadline for p in ps],
+                    max_attempts=[p.max_attempts for p in ps],
+                    keys=[p.idempotency_key for p in ps],
+                    groups=[p.fairness_group for p in ps],
+                    payloads=[p.payload for p in ps],
+                    digests=[p.digest for p in ps],
+                    dispatched=dispatched,
+                )
                 with conn.cursor(row_factory=dict_row) as cur:
-                    cur.executemany(
-                        INSERT_ITEM,
-                        [self._insert_params(p, WorkState.READY, dispatched=dispatched) for _, p in prepared],
-                        returning=True,
-                    )
-                    while True:
-                        recs.append(cur.fetchone())
-                        if not cur.nextset():
-                            break
+                    inserted = {rec["id"]: rec for rec in cur.execute(INSERT_MANY, params).fetchall()}
             created: list[WorkItem] = []
-            for (index, p), rec in zip(prepared, recs, strict=True):
+            for index, p in prepared:
+                # A repeat of an id within the batch was inserted once, for its first request.
+                rec = inserted.pop(p.id, None)
                 if rec is not None:
                     item = make_item(rec)
                     outcomes[index] = SubmitResult(item, created=True)
