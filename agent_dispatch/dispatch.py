@@ -1,10 +1,20 @@
 """The enqueue path (what the gateway and CLI call) and the recovery sweep's transport half.
 
 ``enqueue``: fail-closed depth pre-check -> submit the WorkItem -> seal its envelope -> admit it
-under the bound. When the queue and the WorkItem store share one database (PostgreSQL, or the
-SQLite file), submit and admit run in ONE transaction, so a refused admission leaves nothing
-behind. Otherwise an admission that fails after the submit cancels the WorkItem with a reason
-(no orphans) and the error propagates.
+under the bound. The contract (docs/gateway.md, "Idempotency and refusals"):
+
+- A refusal (``QueueFull``, ``DepthUnavailable``) leaves nothing under the request's idempotency
+  key: a retry with the same key is admitted once there is room, as the same WorkItem. When the
+  queue and the WorkItem store share one database (PostgreSQL, or the SQLite file), submit and
+  admit run in ONE transaction. A transport that can reserve room (Kafka) is asked for it before
+  the submit. Otherwise (a queue in another database: test layouts only) a refusal after the
+  submit cancels the WorkItem with the reason, and that key is spent.
+- A replay of an accepted key returns its WorkItem and admits nothing, also while the queue is
+  full or its depth unknown (the refusal gives way to the existing item).
+- A backend failure after the submit (the broker did not confirm the message, the queue's
+  database failed) leaves the WorkItem ready and undispatched, and propagates: the outcome is
+  unknown to the caller, as with a lost answer. The recovery sweep re-drives the item; a retry
+  with the same key returns it. Never two WorkItems for one key.
 
 ``redrive``: for every WorkItem the store reports as recoverable (expired lease, or ready and
 not dispatched recently), admit its envelope again without the bound. Runs only while this
@@ -22,8 +32,14 @@ from typing import Any, Final, Protocol, runtime_checkable
 from pydantic import ValidationError
 
 from agent_dispatch.envelope import AgentTurnEnvelope, seal
-from agent_dispatch.errors import AdmissionRejected, DispatchError, InvalidRequest, QueueFull
-from agent_dispatch.models import SubmitRequest, SubmitResult, WorkItem, WorkState
+from agent_dispatch.errors import (
+    AdmissionRejected,
+    DepthUnavailable,
+    DispatchError,
+    InvalidRequest,
+    QueueFull,
+)
+from agent_dispatch.models import SubmitRequest, SubmitResult, WorkItem, WorkState, deterministic_id
 from agent_dispatch.settings import RTO_S, Settings
 from agent_dispatch.store import WorkItemStore, bound_error
 from agent_dispatch.transport import OutboundTurn, Transport
@@ -58,6 +74,29 @@ class _SharedBatchStore(Protocol):
         *,
         dispatched: bool = False,
     ) -> list[SubmitResult | DispatchError]: ...
+
+
+@runtime_checkable
+class _Reservation(Protocol):
+    """Room under the bound, held for turns not admitted yet."""
+
+    @property
+    def remaining(self) -> int: ...
+
+    def admit(self, turns: Sequence[OutboundTurn]) -> None: ...
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class _ReservingTransport(Protocol):
+    """A transport that can reserve room under the bound before the WorkItems exist (Kafka)."""
+
+    def reserve(self, count: int, *, partial: bool = False) -> _Reservation: ...
+
+
+#: Errors that refuse a turn; any other failure after the submit leaves its outcome unknown.
+_REFUSALS: Final = (QueueFull, DepthUnavailable)
 
 
 @runtime_checkable
@@ -152,12 +191,69 @@ def enqueue(
 ) -> SubmitResult:
     """Admit one turn; see the module docstring. A replayed request returns the existing item."""
     check_envelope_fields(request)
-    precheck(transport, settings)
-    return _enqueue_one(store, transport, request, signing_key=signing_key)
+    reservation: _Reservation | None = None
+    try:
+        if _reserving(store, transport):
+            assert isinstance(transport, _ReservingTransport)
+            reservation = transport.reserve(1)
+        else:
+            precheck(transport, settings)
+    except _REFUSALS as exc:
+        return _replay_or_raise(store, request, exc)
+    try:
+        return _enqueue_one(store, transport, request, signing_key=signing_key, reservation=reservation)
+    finally:
+        if reservation is not None:
+            reservation.release()
+
+
+def _reserving(store: WorkItemStore, transport: Transport) -> bool:
+    return isinstance(transport, _ReservingTransport) and not _shares_database(store, transport)
+
+
+def _existing_id(request: SubmitRequest) -> str | None:
+    """The id a replay of ``request`` would find (None: every such request is new)."""
+    if request.work_item_id is not None:
+        return request.work_item_id
+    if request.idempotency_key is not None:
+        return deterministic_id(request.tenant, request.idempotency_key)
+    return None
+
+
+def _replay_or_raise(
+    store: WorkItemStore, request: SubmitRequest, refusal: AdmissionRejected
+) -> SubmitResult:
+    """A refused request that repeats an accepted one gets that item (no admission); else the refusal."""
+    item_id = _existing_id(request)
+    if item_id is None:
+        raise refusal
+    try:
+        store.get(item_id, tenant=request.tenant)
+    except DispatchError:  # not there (or another tenant's), or the store is down too
+        raise refusal from None
+    result = store.submit(request)  # the stored item, or IdempotencyConflict for a different request
+    if result.created:  # cannot happen (items are never deleted); never leave an unadmitted item
+        _cancel_unadmitted(store, [result.item], refusal)
+        raise refusal
+    return result
+
+
+def _replay_or_error(
+    store: WorkItemStore, request: SubmitRequest, refusal: AdmissionRejected
+) -> SubmitResult | DispatchError:
+    try:
+        return _replay_or_raise(store, request, refusal)
+    except DispatchError as exc:
+        return exc
 
 
 def _enqueue_one(
-    store: WorkItemStore, transport: Transport, request: SubmitRequest, *, signing_key: bytes
+    store: WorkItemStore,
+    transport: Transport,
+    request: SubmitRequest,
+    *,
+    signing_key: bytes,
+    reservation: _Reservation | None = None,
 ) -> SubmitResult:
     if _shares_database(store, transport):
         assert isinstance(store, _SharedStore) and isinstance(transport, _SharedTransport)
@@ -172,9 +268,8 @@ def _enqueue_one(
     result = store.submit(request)
     if not (result.created and _admittable(result.item)):
         return result
-    _admit_or_cancel(store, transport, [result.item], signing_key=signing_key)
-    if result.created and _admittable(result.item):
-        _mark_dispatched(store, [result.item.id])
+    _admit_after_submit(store, transport, [result.item], signing_key=signing_key, reservation=reservation)
+    _mark_dispatched(store, [result.item.id])
     return result
 
 
@@ -193,10 +288,12 @@ def enqueue_many(
     rest get ``QueueFull``. The bound is never exceeded.
     """
     outcomes: list[SubmitResult | DispatchError | None] = [None] * len(requests)
+    if _reserving(store, transport):
+        return _enqueue_many_reserved(store, transport, requests, signing_key=signing_key, settings=settings)
     try:
         precheck(transport, settings)
-    except AdmissionRejected as exc:
-        return [exc] * len(requests)
+    except _REFUSALS as exc:
+        return [_answer_refused(store, request, exc) for request in requests]
     if _shares_database(store, transport):
         if isinstance(store, _SharedBatchStore) and not any(r.depends_on for r in requests):
             try:
@@ -214,7 +311,8 @@ def enqueue_many(
         return [o for o in outcomes if o is not None]
 
     fresh: list[tuple[int, WorkItem]] = []
-    for index, result in _submit_each(store, requests):
+    submitted, stamped = _submit_each(store, requests)
+    for index, result in submitted:
         outcomes[index] = result
         if isinstance(result, SubmitResult) and result.created and _admittable(result.item):
             fresh.append((index, result.item))
@@ -228,29 +326,112 @@ def enqueue_many(
         admitted = []
         for index, item in fresh:
             try:
-                _admit_or_cancel(store, transport, [item], signing_key=signing_key)
+                _admit_after_submit(store, transport, [item], signing_key=signing_key)
                 admitted.append(item.id)
-            except AdmissionRejected as exc:
+            except DispatchError as exc:
                 outcomes[index] = exc
     except BaseException as exc:
-        _cancel_unadmitted(store, items, exc)
+        if isinstance(exc, _REFUSALS):
+            _cancel_unadmitted(store, items, exc)
         if not isinstance(exc, DispatchError):
             raise
         admitted = []
         for index, _ in fresh:
             outcomes[index] = exc
-    _mark_dispatched(store, admitted)
+    if not stamped:
+        _mark_dispatched(store, admitted)
+    return [o for o in outcomes if o is not None]
+
+
+def _answer_refused(
+    store: WorkItemStore, request: SubmitRequest, refusal: AdmissionRejected
+) -> SubmitResult | DispatchError:
+    """One request of a refused batch: its own validation error, its replay, or the refusal."""
+    try:
+        check_envelope_fields(request)
+    except DispatchError as exc:
+        return exc
+    return _replay_or_error(store, request, refusal)
+
+
+def _enqueue_many_reserved(
+    store: WorkItemStore,
+    transport: Transport,
+    requests: Sequence[SubmitRequest],
+    *,
+    signing_key: bytes,
+    settings: Settings,
+) -> list[SubmitResult | DispatchError]:
+    """``enqueue_many`` on a transport that reserves room before the WorkItems are stored (Kafka).
+
+    As much room as there is for the batch is reserved first; requests are submitted in order
+    (a batch per store transaction) while room is left (a replay takes none); the rest can only
+    be replays, else they get ``QueueFull`` with nothing stored. The new items are then produced
+    in one batch in the reserved room, and what is left of it is released.
+    """
+    assert isinstance(transport, _ReservingTransport)
+    outcomes: list[SubmitResult | DispatchError | None] = [None] * len(requests)
+    valid: list[int] = []
+    for index, request in enumerate(requests):
+        try:
+            check_envelope_fields(request)
+            valid.append(index)
+        except DispatchError as exc:
+            outcomes[index] = exc
+    if not valid:
+        return [o for o in outcomes if o is not None]
+    try:
+        reservation = transport.reserve(len(valid), partial=True)
+    except _REFUSALS as exc:
+        for index in valid:
+            outcomes[index] = _replay_or_error(store, requests[index], exc)
+        return [o for o in outcomes if o is not None]
+    to_mark: list[str] = []
+    try:
+        fresh: list[tuple[int, WorkItem]] = []
+        stamped: set[str] = set()  # dispatch time already stamped by the batch insert
+        pending = valid
+        while pending:
+            room = reservation.remaining - len(fresh)
+            if room <= 0:
+                break
+            take, pending = pending[:room], pending[room:]
+            submitted, stamps = _submit_each(store, [requests[i] for i in take])
+            for position, result in submitted:
+                outcomes[take[position]] = result
+                if isinstance(result, SubmitResult) and result.created and _admittable(result.item):
+                    fresh.append((take[position], result.item))
+                    if stamps:
+                        stamped.add(result.item.id)
+        full = QueueFull(f"no room left under the depth bound {settings.max_depth} in this batch")
+        for index in pending:
+            outcomes[index] = _replay_or_error(store, requests[index], full)
+        items = [item for _, item in fresh]
+        try:
+            reservation.admit([build_turn(item, signing_key=signing_key) for item in items])
+            to_mark = [item.id for item in items if item.id not in stamped]
+        except DispatchError as exc:
+            # The broker did not confirm them: left ready for the recovery sweep to re-drive.
+            for index, _ in fresh:
+                outcomes[index] = exc
+    finally:
+        reservation.release()
+    _mark_dispatched(store, to_mark)
     return [o for o in outcomes if o is not None]
 
 
 def _submit_each(
     store: WorkItemStore, requests: Sequence[SubmitRequest]
-) -> list[tuple[int, SubmitResult | DispatchError]]:
-    """Submit every request (no admission), each with its own outcome, in order.
+) -> tuple[list[tuple[int, SubmitResult | DispatchError]], bool]:
+    """Submit every request (no admission), each with its own outcome, in order; and whether the
+    submit already stamped the dispatch time of the ready items.
 
     A store that can submit a batch in one transaction does so (requests with dependencies go
     one by one); a batch that fails as a whole is retried one by one, so each request still gets
-    its own answer.
+    its own answer. The batch insert stamps the dispatch time, because the admission follows at
+    once: a separate UPDATE after the admission would race the workers already taking the items.
+    An item whose admission then fails is cancelled (see ``_cancel_unadmitted``); should that
+    fail too, the sweep re-drives it once the stamp is ``stale_after`` old.
     """
     outcomes: list[tuple[int, SubmitResult | DispatchError]] = []
     valid: list[int] = []
@@ -262,18 +443,20 @@ def _submit_each(
             outcomes.append((index, exc))
     if isinstance(store, _SharedBatchStore) and not any(requests[i].depends_on for i in valid):
         try:
-            results = store.submit_many_in_transaction([requests[i] for i in valid], lambda conn, items: None)
+            results = store.submit_many_in_transaction(
+                [requests[i] for i in valid], lambda conn, items: None, dispatched=True
+            )
         except DispatchError:
             pass  # nothing of the batch was kept: one by one below
         else:
             outcomes.extend(zip(valid, results, strict=True))
-            return sorted(outcomes, key=lambda pair: pair[0])
+            return sorted(outcomes, key=lambda pair: pair[0]), True
     for index in valid:
         try:
             outcomes.append((index, store.submit(requests[index])))
         except DispatchError as exc:
             outcomes.append((index, exc))
-    return sorted(outcomes, key=lambda pair: pair[0])
+    return sorted(outcomes, key=lambda pair: pair[0]), False
 
 
 def _enqueue_batch_shared(
@@ -311,15 +494,30 @@ def _enqueue_batch_shared(
     return [o for o in outcomes if o is not None]
 
 
-def _admit_or_cancel(
-    store: WorkItemStore, transport: Transport, items: Sequence[WorkItem], *, signing_key: bytes
+def _admit_after_submit(
+    store: WorkItemStore,
+    transport: Transport,
+    items: Sequence[WorkItem],
+    *,
+    signing_key: bytes,
+    reservation: _Reservation | None = None,
 ) -> None:
-    """Admit ``items`` all-or-nothing; if that fails, cancel them with the reason and re-raise."""
+    """Admit stored ``items`` (in ``reservation`` if given, else under the bound), or raise.
+
+    A refusal cancels them with the reason (a refused turn must never run). Any other failure
+    (the broker did not confirm, the queue's database failed) leaves them ready and undispatched
+    for the recovery sweep: they may have been enqueued already, and a retry with the same
+    idempotency key must find them rather than a cancelled item.
+    """
     if not items:
         return
+    turns = [build_turn(item, signing_key=signing_key) for item in items]
     try:
-        transport.admit([build_turn(item, signing_key=signing_key) for item in items], bounded=True)
-    except BaseException as exc:
+        if reservation is not None:
+            reservation.admit(turns)
+        else:
+            transport.admit(turns, bounded=True)
+    except _REFUSALS as exc:
         _cancel_unadmitted(store, items, exc)
         raise
 
