@@ -239,6 +239,24 @@ def prepare_submit(request: SubmitRequest, limits: Limits) -> Prepared:
     )
 
 
+def prepare_batch(
+    requests: Sequence[SubmitRequest], limits: Limits
+) -> tuple[list[tuple[int, Prepared]], dict[int, DispatchError]]:
+    """``submit_many_in_transaction``'s requests: the prepared ones by position, and the refused
+    ones with their error. Dependencies are refused for the whole batch, before anything is
+    written (those requests take the one-by-one path)."""
+    prepared: list[tuple[int, Prepared]] = []
+    refused: dict[int, DispatchError] = {}
+    for index, request in enumerate(requests):
+        if request.depends_on:
+            raise InvalidRequest("submit_many_in_transaction takes requests without dependencies")
+        try:
+            prepared.append((index, prepare_submit(request, limits)))
+        except DispatchError as exc:
+            refused[index] = exc
+    return prepared, refused
+
+
 def idempotency_conflict(existing: Mapping[str, Any], request: Prepared) -> IdempotencyConflict | None:
     """Same request again: ``None`` (return the stored item). Anything else reusing the id/key: a conflict.
 

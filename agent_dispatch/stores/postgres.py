@@ -87,6 +87,7 @@ from agent_dispatch.stores._common import (
     idempotency_conflict,
     make_item,
     make_lease,
+    prepare_batch,
     prepare_submit,
     repeated_commit,
     require_dt,
@@ -907,15 +908,7 @@ class PostgresStore:
         raises, nothing of the batch is kept. A deadlock victim is retried whole. ``dispatched``
         as in :meth:`submit_in_transaction`.
         """
-        prepared: list[tuple[int, Prepared]] = []
-        refused: dict[int, DispatchError] = {}
-        for index, request in enumerate(requests):
-            if request.depends_on:
-                raise InvalidRequest("submit_many_in_transaction takes requests without dependencies")
-            try:
-                prepared.append((index, prepare_submit(request, self.limits)))
-            except DispatchError as exc:
-                refused[index] = exc
+        prepared, refused = prepare_batch(requests, self.limits)
 
         def run(conn: Conn) -> list[SubmitResult | DispatchError]:
             outcomes: dict[int, SubmitResult | DispatchError] = dict(refused)

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
 
-from agent_dispatch.errors import BackendUnavailable, SchemaOutdated
+from agent_dispatch.errors import BackendUnavailable, DispatchError, SchemaOutdated
 from agent_dispatch.models import Outcome, OutcomeRecord, SubmitRequest, SubmitResult, WorkItem, WorkState
 from agent_dispatch.settings import Settings
 from agent_dispatch.settings import load as load_settings
@@ -33,6 +33,7 @@ from agent_dispatch.stores._common import (
     MIGRATE_HINT,
     OUTCOME_SELECT,
     Limits,
+    prepare_batch,
     prepare_submit,
     to_dt,
 )
@@ -424,6 +425,37 @@ class SqliteStore(EngineStore):
                 if dispatched and result.item.state is WorkState.READY:
                     tx.touch_dispatched([result.item.id])
             return result
+
+    def submit_many_in_transaction(
+        self,
+        requests: Sequence[SubmitRequest],
+        then: Callable[[sqlite3.Connection, list[WorkItem]], None],
+        *,
+        dispatched: bool = False,
+    ) -> list[SubmitResult | DispatchError]:
+        """``submit`` for a batch in ONE write transaction, then ``then(conn, created_items)`` in it.
+
+        As :meth:`PostgresStore.submit_many_in_transaction`: requests without dependencies, each
+        answered in order (a repeat is ``created=False``, a conflict its error); if ``then``
+        raises, nothing of the batch is kept.
+        """
+        prepared, refused = prepare_batch(requests, self.limits)
+        outcomes: dict[int, SubmitResult | DispatchError] = dict(refused)
+        with self._write() as tx:
+            created: list[WorkItem] = []
+            for index, item in prepared:
+                try:
+                    result = self._submit_tx(tx, item)  # a refusal is decided before any write
+                except DispatchError as exc:
+                    outcomes[index] = exc
+                    continue
+                outcomes[index] = result
+                if result.created:
+                    created.append(result.item)
+            then(tx.conn, created)
+            if dispatched:
+                tx.touch_dispatched([item.id for item in created if item.state is WorkState.READY])
+        return [outcomes[i] for i in range(len(requests))]
 
     # --- leader election ---------------------------------------------------------------------------------
 
