@@ -18,7 +18,14 @@ import pytest
 
 from agent_dispatch import dispatch
 from agent_dispatch.envelope import open_envelope
-from agent_dispatch.errors import DepthUnavailable, InvalidRequest, NotFound, QueueFull
+from agent_dispatch.errors import (
+    BackendUnavailable,
+    DepthUnavailable,
+    IdempotencyConflict,
+    InvalidRequest,
+    NotFound,
+    QueueFull,
+)
 from agent_dispatch.models import SubmitRequest, SubmitResult, WorkState, deterministic_id
 from agent_dispatch.settings import Settings
 from agent_dispatch.store import WorkItemStore
@@ -175,6 +182,75 @@ def test_admission_refused_after_submit(make_layout: Callable[..., Layout]) -> N
         assert item.state is WorkState.CANCELLED
         assert item.error is not None and "admission failed" in item.error
     assert layout.transport.depth() == 1  # only the other submitter's turn
+
+
+def test_a_replay_is_answered_while_the_queue_is_full_or_its_depth_unknown(
+    make_layout: Callable[..., Layout],
+) -> None:
+    """The existing item answers a replay before admission does: no 429 or 503 for a turn that
+    was accepted, and nothing admitted twice."""
+    layout = make_layout(max_depth=1)
+    first = enqueue(layout, request_for("k-accepted"))
+    with pytest.raises(QueueFull):
+        enqueue(layout, request_for("k-new"))
+    again = enqueue(layout, request_for("k-accepted"))
+    assert (again.created, again.item.id) == (False, first.item.id)
+    # A replay that changes the request is still a conflict, full queue or not.
+    with pytest.raises(IdempotencyConflict):
+        enqueue(
+            layout, SubmitRequest(tenant="tenant-a", kind="chat", payload=b"{}", idempotency_key="k-accepted")
+        )
+    batch = dispatch.enqueue_many(
+        layout.store,
+        layout.transport,
+        [request_for("k-accepted"), request_for("k-new"), request_for("k-bad", session_id="has spaces")],
+        signing_key=KEY,
+        settings=layout.settings,
+    )
+    assert isinstance(batch[0], SubmitResult) and (batch[0].created, batch[0].item.id) == (
+        False,
+        first.item.id,
+    )
+    assert isinstance(batch[1], QueueFull) and isinstance(batch[2], InvalidRequest)
+
+    def unknown() -> int:
+        raise DepthUnavailable("probe failed")
+
+    layout.transport.depth = unknown
+    assert enqueue(layout, request_for("k-accepted")).item.id == first.item.id
+    with pytest.raises(DepthUnavailable):
+        enqueue(layout, request_for("k-new"))
+    with pytest.raises(NotFound):
+        layout.store.get(deterministic_id("tenant-a", "k-new"))
+    del layout.transport.depth
+    assert layout.transport.depth() == 1
+
+
+def test_a_backend_failure_after_submit_leaves_the_item_for_the_sweep(
+    make_layout: Callable[..., Layout],
+) -> None:
+    """Not a refusal: the outcome is unknown (the turn may be queued already). The WorkItem stays
+    ready, the sweep re-drives it, and a retry with the same key returns it, never a cancelled one."""
+    layout = make_layout()
+    if layout.shared:
+        pytest.skip("one transaction: a failed admission rolls the submit back")
+    real_admit = layout.transport.admit
+
+    def broken(turns: Any, *, bounded: bool = True) -> None:
+        raise BackendUnavailable("queue database went away")
+
+    layout.transport.admit = broken
+    with pytest.raises(BackendUnavailable):
+        enqueue(layout, request_for("k-unknown"))
+    item_id = deterministic_id("tenant-a", "k-unknown")
+    assert layout.store.get(item_id).state is WorkState.READY
+    assert [i.id for i in layout.store.recoverable(stale_after_s=60)] == [item_id]
+    retry = enqueue(layout, request_for("k-unknown"))
+    assert (retry.created, retry.item.id, retry.item.state) == (False, item_id, WorkState.READY)
+    layout.transport.admit = real_admit
+    assert dispatch.redrive(layout.store, layout.transport, settings=layout.settings, signing_key=KEY) == 1
+    (delivery,) = layout.transport.claim("worker")
+    assert delivery.work_item_id == item_id
 
 
 def test_a_failing_depth_probe_rejects_before_anything_is_stored(make_layout: Callable[..., Layout]) -> None:

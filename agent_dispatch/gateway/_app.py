@@ -142,7 +142,12 @@ def admission_error(exc: Exception) -> ApiError | None:
     if isinstance(exc, InvalidRequest):
         return ApiError(422, "invalid_request", str(exc))
     if isinstance(exc, BackendUnavailable | SchemaOutdated):
-        return ApiError(503, "unavailable", "the WorkItem store or transport is unavailable", headers=retry)
+        return ApiError(
+            503,
+            "unavailable",
+            "the WorkItem store or transport is unavailable; retry with the same Idempotency-Key",
+            headers=retry,
+        )
     return None
 
 

@@ -49,7 +49,6 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic, OffsetSpec
 
 from agent_dispatch.errors import (
-    AdmissionRejected,
     BackendUnavailable,
     DepthUnavailable,
     DispatchError,
@@ -83,12 +82,13 @@ class PartitionDecreaseRefused(DispatchError):
         self.requested = requested
 
 
-class DeliveryFailed(AdmissionRejected, BackendUnavailable):
-    """The broker did not confirm every message of an admission: the turns are not accepted.
+class DeliveryFailed(BackendUnavailable):
+    """The broker did not confirm every message of an admission: the outcome is unknown.
 
-    It is both an admission rejection (the enqueue path cancels the WorkItems) and a backend
-    failure. With ``acks=all`` and an idempotent producer a timed-out message may still have been
-    written; a worker that meets it finds its WorkItem cancelled and acknowledges it.
+    A backend failure (the gateway answers 503): with ``acks=all`` and an idempotent producer a
+    timed-out message may still have been written. The enqueue path leaves such WorkItems ready
+    and undispatched, so the recovery sweep re-drives them and a retry with the same idempotency
+    key finds them; a worker that meets a second copy skips it against the WorkItem's lease.
     """
 
 
@@ -972,6 +972,46 @@ class _Probe:
     error: str | None = None
 
 
+class Reservation:
+    """Room under the depth bound held for turns not produced yet (:meth:`KafkaTransport.reserve`).
+
+    Counted as queued until it is admitted or released, so concurrent admissions cannot take it.
+    Release what is not used (``release()`` or the ``with`` block); admitting more than the room
+    left is a programming error.
+    """
+
+    def __init__(self, transport: KafkaTransport, count: int) -> None:
+        self._t = transport
+        self._lock = threading.Lock()
+        self._remaining = count
+
+    @property
+    def remaining(self) -> int:
+        return self._remaining
+
+    def admit(self, turns: Sequence[OutboundTurn]) -> None:
+        """Produce ``turns`` in the reserved room: as :meth:`KafkaTransport.admit`, without the bound check."""
+        if not turns:
+            return
+        with self._lock:
+            if len(turns) > self._remaining:
+                raise ValueError(f"{len(turns)} turns exceed the {self._remaining} reserved")
+            self._remaining -= len(turns)
+        self._t._produce(turns)
+
+    def release(self) -> None:
+        """Give back the room not admitted (idempotent)."""
+        with self._lock:
+            unused, self._remaining = self._remaining, 0
+        self._t._release_reserved(unused)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class KafkaTransport:
     """:class:`agent_dispatch.transport.Transport` on Kafka (see the module docstring)."""
 
@@ -1060,7 +1100,8 @@ class KafkaTransport:
         within its shutdown grace even while the broker or the group coordinator is down): the
         consumers close in parallel, each abandoned at the deadline (see ``_ThreadConsumer.close``),
         and the producer's flush gets what is left. An undelivered message is the caller's
-        ``DeliveryFailed`` (admission cancels its WorkItem) or a re-drive the sweep repeats.
+        ``DeliveryFailed`` (its WorkItem stays ready for the recovery sweep) or a re-drive the
+        sweep repeats.
         """
         with self._lock:
             if self._closed:
@@ -1127,20 +1168,49 @@ class KafkaTransport:
 
         ``QueueFull``/``DepthUnavailable`` before anything is sent; :class:`DeliveryFailed` when
         the broker did not confirm every turn (some may have been written: Kafka has no
-        all-or-nothing produce without transactions, so the caller cancels the WorkItems and a
-        worker that meets such a turn acknowledges it). ``bounded=False`` skips the bound; Kafka
+        all-or-nothing produce without transactions). ``bounded=False`` skips the bound; Kafka
         cannot see whether a turn still has a queued delivery, so a re-drive may produce a second
         one, which the WorkItem lease turns into a no-op.
         """
         if not turns:
             return
-        producer, flusher = self._producing()
+        self._producing()  # a closed transport refuses before anything is reserved
         count = len(turns)
         if bounded:
             self._reserve_bounded(count)
         else:
             with self._admit_lock:
                 self._reserved += count
+        self._produce(turns)
+
+    def reserve(self, count: int, *, partial: bool = False) -> Reservation:
+        """Room under the bound for ``count`` turns, held until admitted or released.
+
+        The enqueue path reserves before it stores a WorkItem, so a full queue (``QueueFull``) or
+        an unknown depth (``DepthUnavailable``) refuses a turn before anything exists under its
+        idempotency key; the turns are then produced with :meth:`Reservation.admit`, which does
+        not check the bound again. ``partial``: grant as much of ``count`` as there is room for
+        (at least one, else ``QueueFull``); :attr:`Reservation.remaining` says how much.
+        """
+        if count < 1:
+            raise ValueError("count must be at least 1")
+        self._producing()
+        return Reservation(self, self._reserve_bounded(count, partial=partial))
+
+    def _release_reserved(self, count: int) -> None:
+        """Reserved turns that will never be produced: settled like ones that never reached librdkafka."""
+        if count > 0:
+            with self._admit_lock:
+                self._failed_locally += count
+
+    def _produce(self, turns: Sequence[OutboundTurn]) -> None:
+        """Produce turns whose room is already reserved; returns once the broker confirmed every one."""
+        count = len(turns)
+        try:
+            producer, flusher = self._producing()
+        except BaseException:
+            self._release_reserved(count)
+            raise
         batch = _Batch(count, flusher)
         on_delivery, produce, topic = batch.on_delivery, producer.produce, self.topic
         produced = 0
@@ -1188,12 +1258,13 @@ class KafkaTransport:
         if self._flusher is not None:
             self._flusher.kick()
 
-    def _reserve_bounded(self, count: int) -> None:
-        """Check depth + count against the bound and reserve the room, or raise.
+    def _reserve_bounded(self, count: int, *, partial: bool = False) -> int:
+        """Check depth + count against the bound and reserve the room (returns how much), or raise.
 
         The estimate is the probed lag plus every turn this process reserved that had not been
         confirmed when the probe began: those may or may not be in the probed watermarks, so they
-        are counted (over-counting only ever rejects, never over-admits).
+        are counted (over-counting only ever rejects, never over-admits). ``partial``: reserve
+        what fits of ``count`` (at least one).
         """
         probe = self._fresh_probe(time.monotonic())
         if probe.lag is None:
@@ -1201,9 +1272,11 @@ class KafkaTransport:
         with self._admit_lock:
             in_flight = self._reserved - probe.reported
             depth = probe.lag + max(0, in_flight)
-            if depth + count > self.max_depth:
+            granted = min(count, self.max_depth - depth) if partial else count
+            if granted < 1 or depth + granted > self.max_depth:
                 raise QueueFull(f"queue depth {depth} + {count} exceeds {self.max_depth}")
-            self._reserved += count
+            self._reserved += granted
+            return granted
 
     def _reports(self) -> int:
         flusher = self._flusher
@@ -1347,6 +1420,7 @@ __all__ = [
     "KafkaTransport",
     "KafkaTuning",
     "PartitionDecreaseRefused",
+    "Reservation",
     "TopicChange",
     "consumer_group_lag",
     "ensure_topic",
