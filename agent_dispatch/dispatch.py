@@ -430,8 +430,9 @@ def _submit_each(
     one by one); a batch that fails as a whole is retried one by one, so each request still gets
     its own answer. The batch insert stamps the dispatch time, because the admission follows at
     once: a separate UPDATE after the admission would race the workers already taking the items.
-    An item whose admission then fails is cancelled (see ``_cancel_unadmitted``); should that
-    fail too, the sweep re-drives it once the stamp is ``stale_after`` old.
+    An item whose admission is then refused is cancelled (see ``_cancel_unadmitted``); one whose
+    admission fails otherwise (outcome unknown), or whose cancel fails, is re-driven by the sweep
+    once the stamp is ``stale_after`` old.
     """
     outcomes: list[tuple[int, SubmitResult | DispatchError]] = []
     valid: list[int] = []
