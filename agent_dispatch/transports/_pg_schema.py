@@ -151,98 +151,158 @@ LANGUAGE sql AS $fn$
     SELECT count(*)::integer FROM woke
 $fn$;
 
--- Claim up to p_max rows for p_owner in the documented order. Returns the claimed rows.
+-- Claim up to p_max rows for p_owner in the documented order. Returns the claimed rows, in order.
+--
+-- Per claimed row: one statement picks it (lane, tenant lock, group, row) and one stamps it (the
+-- row, the tenant's and group's history and their lanes). The wake-up and the expired-deadline
+-- probes are each one read of the first entry of a partial index, once per call.
 CREATE OR REPLACE FUNCTION agent_dispatch_queue_claim(p_owner text, p_max integer, p_visibility interval)
 RETURNS TABLE (id bigint, work_item_id text, wire bytea, claim_token uuid, claimed_at timestamptz,
                deliveries integer)
 LANGUAGE plpgsql AS $fn$
 #variable_conflict use_column
 DECLARE
-    v_id       bigint;
-    v_tenant   bytea;
-    v_group    bytea;
-    v_prio     integer;
-    v_seen     bigint;
-    v_now      bigint;
-    v_stamp    bigint;
-    v_claimed  integer := 0;
-    v_attempt  integer;
+    v_id          bigint;
+    v_tenant      bytea;
+    v_group       bytea;
+    v_prio        integer;
+    v_lane_served bigint;
+    v_served      bigint;
+    v_gl_served   bigint;
+    v_g_served    bigint;
+    v_stamp       bigint;
+    v_first       timestamptz;
+    v_expired     boolean;
+    v_claimed     integer := 0;
+    v_attempt     integer;
+    v_rows        integer;
 BEGIN
-    -- The wake-up is a SQL function with data-modifying CTEs, planned afresh on every call (about
-    -- half of an idle-path claim's cost): run it only when its index says something is due.
-    IF EXISTS (SELECT 1 FROM agent_dispatch_queue WHERE state <> 'r' AND visible_at <= now()) THEN
+    -- Due rows (visibility timeouts, elapsed delays): the wake-up is a SQL function with
+    -- data-modifying CTEs, planned afresh on every call, so it runs only when the first entry of
+    -- its index is due. (Written as ORDER BY ... LIMIT 1 so the plan is that index's first entry;
+    -- an EXISTS here was planned as a sequential scan of the queue.)
+    SELECT q.visible_at INTO v_first
+      FROM agent_dispatch_queue q WHERE q.state <> 'r' ORDER BY q.visible_at LIMIT 1;
+    IF v_first <= now() THEN
         PERFORM agent_dispatch_queue_wake(256);
     END IF;
+    -- Expired deadlines go first. now() is fixed for the call, so the set cannot grow but by
+    -- concurrent commits; probe it per row only while the call has seen it non-empty.
+    SELECT q.deadline INTO v_first
+      FROM agent_dispatch_queue q WHERE q.state = 'r' AND q.deadline IS NOT NULL ORDER BY q.deadline LIMIT 1;
+    v_expired := coalesce(v_first <= now(), false);
     WHILE v_claimed < p_max LOOP
         v_id := NULL;
-        -- 1. Expired deadlines first, so their WorkItems are cancelled promptly. The set is
-        --    empty in normal operation (one probe of the expiry index); when not, it is work
-        --    that has to be drained anyway.
-        SELECT q.id, q.tenant_ref, q.group_ref, q.priority
-          INTO v_id, v_tenant, v_group, v_prio
-          FROM agent_dispatch_queue q
-          JOIN agent_dispatch_queue_tenant t ON t.tenant_ref = q.tenant_ref
-          JOIN agent_dispatch_queue_group g ON g.tenant_ref = q.tenant_ref AND g.group_ref = q.group_ref
-         WHERE q.state = 'r' AND q.deadline <= now()
-         ORDER BY q.priority DESC, t.served, g.served, q.deadline, q.enqueued_at, q.id
-         LIMIT 1
-           FOR UPDATE OF q, t SKIP LOCKED;
-        -- 2. Otherwise the best lane: highest priority, then least recently served tenant whose
-        --    history row no concurrent claimer holds; then that tenant's least recently served
-        --    group at that priority; then the lane's first row (deadline, enqueue time, id).
+        IF v_expired THEN
+            SELECT q.id, q.tenant_ref, q.group_ref, q.priority
+              INTO v_id, v_tenant, v_group, v_prio
+              FROM agent_dispatch_queue q
+              JOIN agent_dispatch_queue_tenant t ON t.tenant_ref = q.tenant_ref
+              JOIN agent_dispatch_queue_group g ON g.tenant_ref = q.tenant_ref AND g.group_ref = q.group_ref
+             WHERE q.state = 'r' AND q.deadline <= now()
+             ORDER BY q.priority DESC, t.served, g.served, q.deadline, q.enqueued_at, q.id
+             LIMIT 1
+               FOR UPDATE OF q, t SKIP LOCKED;
+            v_expired := v_id IS NOT NULL;
+        END IF;
+        -- Otherwise the best lane (highest priority, then least recently served tenant whose
+        -- history row no concurrent claimer holds), that tenant's least recently served group at
+        -- that priority, and that lane's first row (deadline, enqueue time, id), in one statement.
+        -- The lane, group and row are read from the statement's snapshot, the tenant row as locked
+        -- (its newest version): every claim stamps the tenant and its lanes with a new unique
+        -- stamp, so equal stamps mean no claim of this tenant committed since the snapshot and the
+        -- snapshot's view of the tenant is current. Rows of a tenant are only claimed under its lock.
         v_attempt := 0;
-        WHILE v_id IS NULL AND v_attempt < 4 LOOP
+        WHILE v_id IS NULL AND v_attempt < 8 LOOP
             v_attempt := v_attempt + 1;
             v_tenant := NULL;
-            SELECT l.tenant_ref, l.priority, l.tenant_served
-              INTO v_tenant, v_prio, v_seen
-              FROM agent_dispatch_queue_tenant_lane l
-              JOIN agent_dispatch_queue_tenant t ON t.tenant_ref = l.tenant_ref
-             WHERE l.ready > 0
-             ORDER BY l.priority DESC, l.tenant_served
-             LIMIT 1
-               FOR UPDATE OF t SKIP LOCKED;
+            SELECT p.tenant_ref, p.priority, p.lane_served, p.served,
+                   gl.group_ref, gl.group_served, g.served, r.id
+              INTO v_tenant, v_prio, v_lane_served, v_served, v_group, v_gl_served, v_g_served, v_id
+              FROM (SELECT l.tenant_ref, l.priority, l.tenant_served AS lane_served, t.served
+                      FROM agent_dispatch_queue_tenant_lane l
+                      JOIN agent_dispatch_queue_tenant t ON t.tenant_ref = l.tenant_ref
+                     WHERE l.ready > 0
+                     ORDER BY l.priority DESC, l.tenant_served
+                     LIMIT 1
+                       FOR UPDATE OF t SKIP LOCKED) p
+              LEFT JOIN LATERAL (
+                    SELECT x.group_ref, x.group_served
+                      FROM agent_dispatch_queue_group_lane x
+                     WHERE x.tenant_ref = p.tenant_ref AND x.priority = p.priority AND x.ready > 0
+                     ORDER BY x.group_served
+                     LIMIT 1) gl ON true
+              LEFT JOIN agent_dispatch_queue_group g
+                ON g.tenant_ref = p.tenant_ref AND g.group_ref = gl.group_ref
+              LEFT JOIN LATERAL (
+                    SELECT q.id
+                      FROM agent_dispatch_queue q
+                     WHERE q.tenant_ref = p.tenant_ref AND q.group_ref = gl.group_ref
+                       AND q.priority = p.priority AND q.state = 'r'
+                     ORDER BY q.deadline, q.enqueued_at, q.id
+                     LIMIT 1) r ON true;
             EXIT WHEN v_tenant IS NULL;
-            -- The lane was read before the lock was granted: if a claimer committed in between,
-            -- re-read it under the lock (a fresh statement sees the committed state).
-            SELECT l.tenant_served INTO v_now
-              FROM agent_dispatch_queue_tenant_lane l
-             WHERE l.tenant_ref = v_tenant AND l.priority = v_prio AND l.ready > 0;
-            CONTINUE WHEN v_now IS DISTINCT FROM v_seen;
-            SELECT l.group_ref INTO v_group
-              FROM agent_dispatch_queue_group_lane l
-             WHERE l.tenant_ref = v_tenant AND l.priority = v_prio AND l.ready > 0
-             ORDER BY l.group_served
-             LIMIT 1;
-            CONTINUE WHEN v_group IS NULL;
-            SELECT q.id INTO v_id
-              FROM agent_dispatch_queue q
-             WHERE q.tenant_ref = v_tenant AND q.group_ref = v_group AND q.priority = v_prio
-               AND q.state = 'r'
-             ORDER BY q.deadline, q.enqueued_at, q.id
-             LIMIT 1
-               FOR UPDATE SKIP LOCKED;
+            IF v_lane_served IS DISTINCT FROM v_served THEN
+                -- Served since the snapshot (then this only re-reads), or a lane created by an
+                -- admission with an older copy of the stamp: either way, pick again. A copy is never
+                -- newer than the tenant's stamp, so a stale lane is only ever met too early.
+                v_id := NULL;
+                UPDATE agent_dispatch_queue_tenant_lane SET tenant_served = v_served
+                 WHERE tenant_ref = v_tenant AND tenant_served <> v_served;
+                CONTINUE;
+            END IF;
+            IF v_group IS NOT NULL AND v_gl_served IS DISTINCT FROM v_g_served THEN
+                v_id := NULL;
+                UPDATE agent_dispatch_queue_group_lane SET group_served = v_g_served
+                 WHERE tenant_ref = v_tenant AND group_ref = v_group AND group_served <> v_g_served;
+                CONTINUE;
+            END IF;
+            IF v_id IS NULL THEN
+                -- A lane counts ready rows that are not there: recount the tenant's lanes at this
+                -- priority from the rows (never expected; keeps a bad count from blocking claims).
+                UPDATE agent_dispatch_queue_group_lane l
+                   SET ready = (SELECT count(*) FROM agent_dispatch_queue q
+                                 WHERE q.tenant_ref = l.tenant_ref AND q.group_ref = l.group_ref
+                                   AND q.priority = l.priority AND q.state = 'r')
+                 WHERE l.tenant_ref = v_tenant AND l.priority = v_prio;
+                UPDATE agent_dispatch_queue_tenant_lane l
+                   SET ready = (SELECT count(*) FROM agent_dispatch_queue q
+                                 WHERE q.tenant_ref = l.tenant_ref AND q.priority = l.priority AND q.state = 'r')
+                 WHERE l.tenant_ref = v_tenant AND l.priority = v_prio;
+            END IF;
         END LOOP;
         EXIT WHEN v_id IS NULL;
 
+        -- Stamp the row and the fairness history in one statement; nothing is stamped unless the
+        -- row was still ready.
         v_stamp := nextval('agent_dispatch_queue_serve_seq');
         RETURN QUERY
-            UPDATE agent_dispatch_queue q
-               SET state = 'c', claim_owner = p_owner, claim_token = gen_random_uuid(),
-                   claimed_at = clock_timestamp(), visible_at = now() + p_visibility,
-                   deliveries = q.deliveries + 1
-             WHERE q.id = v_id
-            RETURNING q.id, q.work_item_id, q.wire, q.claim_token, q.claimed_at, q.deliveries;
-        UPDATE agent_dispatch_queue_tenant SET served = v_stamp WHERE tenant_ref = v_tenant;
-        UPDATE agent_dispatch_queue_group SET served = v_stamp
-         WHERE tenant_ref = v_tenant AND group_ref = v_group;
-        UPDATE agent_dispatch_queue_tenant_lane
-           SET tenant_served = v_stamp, ready = ready - (priority = v_prio)::integer
-         WHERE tenant_ref = v_tenant;
-        UPDATE agent_dispatch_queue_group_lane
-           SET group_served = v_stamp, ready = ready - (priority = v_prio)::integer
-         WHERE tenant_ref = v_tenant AND group_ref = v_group;
-        v_claimed := v_claimed + 1;
+            WITH c AS (
+                UPDATE agent_dispatch_queue q
+                   SET state = 'c', claim_owner = p_owner, claim_token = gen_random_uuid(),
+                       claimed_at = clock_timestamp(), visible_at = now() + p_visibility,
+                       deliveries = q.deliveries + 1
+                 WHERE q.id = v_id AND q.state = 'r'
+                RETURNING q.id, q.work_item_id, q.wire, q.claim_token, q.claimed_at, q.deliveries
+            ), st AS (
+                UPDATE agent_dispatch_queue_tenant SET served = v_stamp
+                 WHERE tenant_ref = v_tenant AND EXISTS (SELECT FROM c)
+            ), sg AS (
+                UPDATE agent_dispatch_queue_group SET served = v_stamp
+                 WHERE tenant_ref = v_tenant AND group_ref = v_group AND EXISTS (SELECT FROM c)
+            ), lt AS (
+                UPDATE agent_dispatch_queue_tenant_lane
+                   SET tenant_served = v_stamp, ready = ready - (priority = v_prio)::integer
+                 WHERE tenant_ref = v_tenant AND EXISTS (SELECT FROM c)
+            ), lg AS (
+                UPDATE agent_dispatch_queue_group_lane
+                   SET group_served = v_stamp, ready = ready - (priority = v_prio)::integer
+                 WHERE tenant_ref = v_tenant AND group_ref = v_group AND EXISTS (SELECT FROM c)
+            )
+            SELECT * FROM c;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        v_claimed := v_claimed + v_rows;
+        EXIT WHEN v_rows = 0;  -- (never expected: the row is only claimed under its tenant's lock)
     END LOOP;
 END
 $fn$;
