@@ -171,6 +171,8 @@ class ChaosRun:
         self._timers: list[threading.Timer] = []
         self.recovered_in_s: float | None = None
         self.final_depth: int | str = "never measured"
+        #: Seconds from SIGTERM to exit, per worker stopped at the end.
+        self.stop_seconds: dict[str, float] = {}
         self.report: dict[str, Any] = {}
 
     # --- processes ---------------------------------------------------------------------------
@@ -554,19 +556,30 @@ class ChaosRun:
                 self.crashes.append(
                     f"{worker.worker_id}: claim loop stalled (last heartbeat {time.time() - final.heartbeat:.0f}s ago)"
                 )
-        for worker in self.live_workers():
+        stopping = self.live_workers()
+        signalled = time.monotonic()
+        for worker in stopping:
             worker.proc.send_signal(signal.SIGTERM)
-        for worker in self.live_workers():
-            try:
-                code = worker.proc.wait(timeout=self.settings.shutdown_grace_s + 20)
-            except subprocess.TimeoutExpired:
-                worker.proc.kill()
-                self.crashes.append(f"{worker.worker_id} did not stop after SIGTERM")
-                continue
-            if code != 0:
-                self.crashes.append(
-                    f"{worker.worker_id} exited {code} after SIGTERM:\n{self._tail(worker.log)}"
-                )
+        # Each worker must exit within its shutdown grace plus the transport's bounded close.
+        deadline = signalled + self.settings.shutdown_grace_s + 20
+        while stopping and time.monotonic() < deadline:
+            for worker in [w for w in stopping if w.proc.poll() is not None]:
+                stopping.remove(worker)
+                self.stop_seconds[worker.worker_id] = round(time.monotonic() - signalled, 1)
+                if worker.proc.returncode != 0:
+                    self.crashes.append(
+                        f"{worker.worker_id} exited {worker.proc.returncode} after SIGTERM:\n"
+                        f"{self._tail(worker.log)}"
+                    )
+            time.sleep(0.05)
+        for worker in stopping:
+            dump = _py_spy_dump(worker.proc.pid)
+            worker.proc.kill()
+            worker.proc.wait(timeout=10)
+            self.crashes.append(
+                f"{worker.worker_id} did not stop within {deadline - signalled:.0f}s of SIGTERM:\n"
+                f"{self._tail(worker.log)}\n{dump}"
+            )
         self.stop_gateway(hard=False)
 
     def close(self) -> None:
@@ -706,6 +719,7 @@ class ChaosRun:
             # Kafka: every message ever produced, re-driven duplicates included (each ran at most once).
             "topic_messages": messages,
             "worker_starts_refused": self.refused_starts,
+            "worker_stop_s_max": max(self.stop_seconds.values(), default=None),
             "recovered_in_s": self.recovered_in_s,
             "violations": violations,
             "fault_log": self.fault_log,
@@ -743,7 +757,11 @@ class ChaosRun:
             time.sleep(0.5)
         if self.name == "kafka":
             depth = f"{depth}; {self._kafka_diagnosis()}"
-        return depth
+        # Where every worker's threads are (a claim loop stuck in a call keeps its deliveries).
+        dumps = [
+            f"--- {w.worker_id}\n{_py_spy_dump(w.proc.pid)}" for w in self.live_workers() if not w.stopped
+        ]
+        return f"{depth}\n" + "\n".join(dumps)
 
     def _kafka_diagnosis(self) -> str:
         """Per partition: committed offset, high watermark; and the group's members."""
@@ -767,11 +785,61 @@ class ChaosRun:
                 (m.client_id, sorted(tp.partition for tp in m.assignment.topic_partitions))
                 for m in described.members
             ]
-            return f"committed {committed} high {high} state {described.state} members {members}"
+            pending = self._uncommitted_messages(
+                [(p, committed[p], high[p]) for p in sorted(high) if 0 <= committed[p] < high[p]]
+            )
+            return (
+                f"committed {committed} high {high} state {described.state} members {members}; "
+                f"uncommitted messages {pending}"
+            )
         except Exception as exc:
             return f"no diagnosis: {exc!r}"
         finally:
             consumer.close()
+
+    def _uncommitted_messages(self, spans: list[tuple[int, int, int]]) -> list[str]:
+        """What lies past the committed offsets: the message's time, its WorkItem and that item's state."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        from agent_dispatch.transports.kafka import WORK_ITEM_HEADER
+
+        env = self.backend.env
+        reader = Consumer(
+            {
+                "bootstrap.servers": env["KAFKA_BOOTSTRAP_SERVERS"],
+                "group.id": f"chaos-diagnosis-{self.seed}",
+                "enable.auto.commit": False,
+            }
+        )
+        found: list[str] = []
+        try:
+            for partition, first, end in spans:
+                reader.assign([TopicPartition(env["AGENT_DISPATCH_KAFKA_TOPIC"], partition, first)])
+                offset, deadline = first, time.monotonic() + 10
+                while offset < min(end, first + 20) and time.monotonic() < deadline:
+                    message = reader.poll(1.0)
+                    if message is None or message.error() is not None:
+                        continue
+                    offset = message.offset() + 1
+                    item_id = dict(message.headers() or []).get(WORK_ITEM_HEADER, b"").decode()
+                    with contextlib.suppress(Exception):
+                        item_id += f" {self.store.get(item_id).state.value}"
+                    at = time.monotonic() - (time.time() - message.timestamp()[1] / 1000) - self.t0
+                    found.append(f"{partition}@{message.offset()} t={at:.1f}s {item_id}")
+        finally:
+            reader.close()
+        return found
+
+
+def _py_spy_dump(pid: int) -> str:
+    """The stacks of a process that does not stop (py-spy, when installed), for the failure message."""
+    try:
+        done = subprocess.run(
+            ["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"(no stack dump: {exc!r})"
+    return done.stdout[-6000:] or done.stderr[-2000:]
 
 
 def _retry(fn: Callable[[], Any], attempts: int = 20) -> Any:

@@ -1,9 +1,10 @@
-"""Options of the chaos suite: ``--chaos-seed``, ``--chaos-duration`` and ``--chaos-report``.
+"""Pytest plugin: the chaos suite's options ``--chaos-seed``, ``--chaos-duration`` and ``--chaos-report``.
 
-Short mode (the default duration) runs in CI; soak mode is the same tests with a longer duration,
-e.g. ``pytest tests/chaos -m chaos --chaos-duration=600``. Name ``tests/chaos`` on the command line
-(or set ``CHAOS_DURATION``/``CHAOS_SEED``/``CHAOS_REPORT``): pytest reads a sub-directory's
-options only when that directory is among the paths it was given.
+Short mode (the default duration) runs in the default suite (marker ``chaos``, tests/chaos); soak
+mode is the same tests with a longer duration, e.g. ``pytest tests/chaos --chaos-duration=600``
+or ``bash scripts/test.sh -m chaos --chaos-duration=600``. Registered from tests/conftest.py, so
+the options work whatever paths pytest is given; ``CHAOS_DURATION``/``CHAOS_SEED``/``CHAOS_REPORT``
+work too.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     runs, so the test cannot set its own): the faults, the 300 s RTO, and room for start-up."""
     given = _option(config, "--chaos-duration", "CHAOS_DURATION")
     duration = float(given) if given is not None else SHORT_DURATION_S
-    here = Path(__file__).parent
+    here = Path(__file__).resolve().parents[1] / "chaos"
     for item in items:
         if item.get_closest_marker("chaos") and here in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.timeout(3 * duration + 300 + 600))
@@ -53,7 +54,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _option(config: pytest.Config, name: str, env: str) -> str | None:
     try:
         value = config.getoption(name)
-    except ValueError:  # the options were not registered (conftest not an initial one)
+    except ValueError:  # the options were not registered (this plugin not loaded)
         value = None
     if value is None:
         value = os.environ.get(env) or None
