@@ -12,23 +12,30 @@ Shape of the data (each claim touches O(1) rows through indexes, whatever the ba
 - ``agent_dispatch_queue_tenant`` / ``_group``: the fairness history. ``served`` is a stamp from one
   sequence, unique, so "least recently served" never ties. A tenant or group first seen gets a
   stamp far below every served one (never served = most deserving; newcomers in arrival order).
-  ``queued`` counts all its rows; at zero the history row is pruned.
 - ``agent_dispatch_queue_tenant_lane`` (priority, tenant) and ``_group_lane`` (priority, tenant,
   group): ``ready`` counts visible rows and a copy of the served stamp, so a partial index on
   ``(priority DESC, tenant_served) WHERE ready > 0`` yields the next lane in one index probe,
   instead of a sort or window function over the backlog.
+- ``agent_dispatch_queue_count`` (tenant, group): ``queued`` counts all its rows, whatever their
+  state. Kept apart from the history so that acknowledgements, which only decrement it, never
+  wait for the tenant locks that claims hold. History whose counters are all at zero is removed
+  by ``agent_dispatch_queue_prune`` (called periodically by the transport), not by the ack: a
+  tenant that runs dry and gets work again between two prunes keeps its history and its rows.
 - ``agent_dispatch_queue_depth``: the admission counter (compare-and-admit, never ``COUNT(*)``).
 
-Lock order (deadlock freedom): queue rows, then tenant rows in ``tenant_ref`` order, then the
-depth counter. A claim never waits for a tenant: it locks it with SKIP LOCKED, and everything
-else it touches (group history, lanes) is only written under that tenant's lock.
+Lock order (deadlock freedom): queue rows, then tenant rows in ``tenant_ref`` order, then
+counter rows in (``tenant_ref``, ``group_ref``) order, then the depth counter. A claim never waits
+for a tenant: it locks it with SKIP LOCKED, and everything else it touches (group history, lanes)
+is only written under that tenant's lock. Admissions lock their tenants' rows too (so a prune
+cannot remove history their rows need); acknowledgements take only counter rows and the depth
+counter; the prune takes tenant and counter rows with SKIP LOCKED and never waits.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 NOTIFY_CHANNEL: Final = "agent_dispatch_queue"
 #: SQLSTATE our admit function raises when the batch would pass the bound.
 QUEUE_FULL_SQLSTATE: Final = "AD001"
@@ -42,8 +49,39 @@ TABLES: Final = (
     "agent_dispatch_queue_group",
     "agent_dispatch_queue_tenant_lane",
     "agent_dispatch_queue_group_lane",
+    "agent_dispatch_queue_count",
     "agent_dispatch_queue_depth",
 )
+#: The fairness history and its counters: what the prune removes once no row needs it.
+HISTORY_TABLES: Final = TABLES[1:-1]
+
+#: In-place upgrades: ``UPGRADES[v]`` takes a version-``v`` schema to ``v + 1``. Each runs in
+#: ``ensure_ready``'s transaction, under its advisory lock, before :data:`DDL` (which then replaces
+#: every function); the tables are locked for its duration, so no claim or ack sees half of it.
+UPGRADES: Final = {
+    # 1 -> 2: the ``queued`` counters move out of the tenant and group history (which claims lock)
+    # into ``agent_dispatch_queue_count``, counted afresh from the queue.
+    1: r"""
+LOCK TABLE agent_dispatch_queue, agent_dispatch_queue_tenant, agent_dispatch_queue_group,
+           agent_dispatch_queue_tenant_lane, agent_dispatch_queue_group_lane, agent_dispatch_queue_depth
+    IN ACCESS EXCLUSIVE MODE;
+CREATE TABLE agent_dispatch_queue_count (
+    tenant_ref bytea NOT NULL,
+    group_ref  bytea NOT NULL,
+    queued     bigint NOT NULL CHECK (queued >= 0),
+    PRIMARY KEY (tenant_ref, group_ref)
+);
+INSERT INTO agent_dispatch_queue_count (tenant_ref, group_ref, queued)
+SELECT k.tenant_ref, k.group_ref, count(q.id)
+  FROM (SELECT tenant_ref, group_ref FROM agent_dispatch_queue_group
+        UNION
+        SELECT tenant_ref, group_ref FROM agent_dispatch_queue) k
+  LEFT JOIN agent_dispatch_queue q ON q.tenant_ref = k.tenant_ref AND q.group_ref = k.group_ref
+ GROUP BY k.tenant_ref, k.group_ref;
+ALTER TABLE agent_dispatch_queue_tenant DROP COLUMN queued;
+ALTER TABLE agent_dispatch_queue_group DROP COLUMN queued;
+""",
+}
 
 #: Everything but ``agent_dispatch_queue_meta`` (schema version, ref salt), created first.
 DDL: Final = r"""
@@ -79,14 +117,18 @@ CREATE INDEX IF NOT EXISTS agent_dispatch_queue_wakeup
 
 CREATE TABLE IF NOT EXISTS agent_dispatch_queue_tenant (
     tenant_ref bytea PRIMARY KEY,
-    served     bigint NOT NULL,
-    queued     bigint NOT NULL
+    served     bigint NOT NULL
 );
 CREATE TABLE IF NOT EXISTS agent_dispatch_queue_group (
     tenant_ref bytea NOT NULL,
     group_ref  bytea NOT NULL,
     served     bigint NOT NULL,
-    queued     bigint NOT NULL,
+    PRIMARY KEY (tenant_ref, group_ref)
+);
+CREATE TABLE IF NOT EXISTS agent_dispatch_queue_count (
+    tenant_ref bytea NOT NULL,
+    group_ref  bytea NOT NULL,
+    queued     bigint NOT NULL CHECK (queued >= 0),
     PRIMARY KEY (tenant_ref, group_ref)
 );
 CREATE TABLE IF NOT EXISTS agent_dispatch_queue_tenant_lane (
@@ -348,19 +390,23 @@ BEGIN
     IF v_n = 0 THEN
         RETURN 0;
     END IF;
-    -- Tenant history rows in tenant_ref order (the lock order), created for newcomers.
-    INSERT INTO agent_dispatch_queue_tenant AS t (tenant_ref, served, queued)
-    SELECT u.t, c_new_base + nextval('agent_dispatch_queue_serve_seq'), count(*)
+    -- Tenant history rows in tenant_ref order (the lock order), created for newcomers and locked
+    -- (ON CONFLICT DO UPDATE locks the row even when its WHERE is false; it also re-inserts a row
+    -- a concurrent prune deleted): until this transaction ends, claims skip these tenants and the
+    -- prune leaves their history alone, so the rows admitted here always have their history.
+    INSERT INTO agent_dispatch_queue_tenant AS t (tenant_ref, served)
+    SELECT u.t, c_new_base + nextval('agent_dispatch_queue_serve_seq')
       FROM unnest(a_tenants) AS u(t)
      GROUP BY u.t
      ORDER BY u.t
-    ON CONFLICT (tenant_ref) DO UPDATE SET queued = t.queued + excluded.queued;
-    INSERT INTO agent_dispatch_queue_group AS g (tenant_ref, group_ref, served, queued)
-    SELECT u.t, u.g, c_new_base + nextval('agent_dispatch_queue_serve_seq'), count(*)
+    ON CONFLICT (tenant_ref) DO UPDATE SET served = t.served WHERE false;
+    -- The rest is written under those tenant locks.
+    INSERT INTO agent_dispatch_queue_group (tenant_ref, group_ref, served)
+    SELECT u.t, u.g, c_new_base + nextval('agent_dispatch_queue_serve_seq')
       FROM unnest(a_tenants, a_groups) AS u(t, g)
      GROUP BY u.t, u.g
      ORDER BY u.t, u.g
-    ON CONFLICT (tenant_ref, group_ref) DO UPDATE SET queued = g.queued + excluded.queued;
+    ON CONFLICT (tenant_ref, group_ref) DO NOTHING;
     INSERT INTO agent_dispatch_queue_tenant_lane AS l (tenant_ref, priority, tenant_served, ready)
     SELECT u.t, u.p, t.served, sum(u.r)
       FROM unnest(a_tenants, a_prios, a_ready) AS u(t, p, r)
@@ -375,6 +421,12 @@ BEGIN
      GROUP BY u.t, u.g, u.p, g.served
      ORDER BY u.t, u.g, u.p
     ON CONFLICT (tenant_ref, group_ref, priority) DO UPDATE SET ready = l.ready + excluded.ready;
+    INSERT INTO agent_dispatch_queue_count AS c (tenant_ref, group_ref, queued)
+    SELECT u.t, u.g, count(*)
+      FROM unnest(a_tenants, a_groups) AS u(t, g)
+     GROUP BY u.t, u.g
+     ORDER BY u.t, u.g
+    ON CONFLICT (tenant_ref, group_ref) DO UPDATE SET queued = c.queued + excluded.queued;
     -- Compare-and-admit on the counter row, last in the lock order: O(1), never COUNT(*).
     IF p_bound IS NULL THEN
         UPDATE agent_dispatch_queue_depth SET depth = depth + v_n;
@@ -394,6 +446,9 @@ $fn$;
 
 -- Acknowledge (delete) claimed rows whose receipt still matches: owner, token and claim time.
 -- Returns the ids removed; a receipt not among them was stale or foreign.
+--
+-- Takes no tenant lock (claims hold those): it moves the counters and leaves emptied history to
+-- agent_dispatch_queue_prune.
 CREATE OR REPLACE FUNCTION agent_dispatch_queue_ack(p_ids bigint[], p_owners text[], p_tokens uuid[],
                                                     p_claimed timestamptz[])
 RETURNS SETOF bigint
@@ -417,30 +472,70 @@ BEGIN
     IF a_ids IS NULL THEN
         RETURN;
     END IF;
-    PERFORM 1 FROM agent_dispatch_queue_tenant
-      WHERE tenant_ref = ANY(a_tenants) ORDER BY tenant_ref FOR UPDATE;
-    UPDATE agent_dispatch_queue_tenant t SET queued = t.queued - c.n
-      FROM (SELECT u.t, count(*) AS n FROM unnest(a_tenants) AS u(t) GROUP BY u.t) c
-     WHERE t.tenant_ref = c.t;
-    UPDATE agent_dispatch_queue_group g SET queued = g.queued - c.n
-      FROM (SELECT u.t, u.g, count(*) AS n FROM unnest(a_tenants, a_groups) AS u(t, g) GROUP BY u.t, u.g) c
-     WHERE g.tenant_ref = c.t AND g.group_ref = c.g;
-    -- Fairness history is kept only while its tenant/group has queued work.
+    -- Counter rows in the lock order, then moved (an UPDATE ... FROM locks in plan order).
+    PERFORM 1 FROM agent_dispatch_queue_count c
+      WHERE (c.tenant_ref, c.group_ref) IN (SELECT * FROM unnest(a_tenants, a_groups))
+      ORDER BY c.tenant_ref, c.group_ref
+        FOR NO KEY UPDATE;
+    UPDATE agent_dispatch_queue_count c SET queued = c.queued - n.n
+      FROM (SELECT u.t, u.g, count(*) AS n FROM unnest(a_tenants, a_groups) AS u(t, g) GROUP BY u.t, u.g) n
+     WHERE c.tenant_ref = n.t AND c.group_ref = n.g;
+    UPDATE agent_dispatch_queue_depth SET depth = depth - cardinality(a_ids);
+    RETURN QUERY SELECT unnest(a_ids);
+END
+$fn$;
+
+-- Remove the fairness history (history rows, lanes, counters) of groups and tenants that have no
+-- queued row left, examining at most p_limit counters at zero. Returns the groups removed.
+--
+-- Safe against every concurrent writer without waiting for any: a tenant is only touched while
+-- this call holds its row (SKIP LOCKED, like a claim), and admissions lock that row before they
+-- write a counter, so under the lock counters only go down (acknowledgements) and a counter at
+-- zero (locked here, SKIP LOCKED again) stays at zero. A tenant goes with its last group.
+CREATE OR REPLACE FUNCTION agent_dispatch_queue_prune(p_limit integer)
+RETURNS integer
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    a_tenants bytea[];
+    a_ct      bytea[];
+    a_cg      bytea[];
+BEGIN
+    SELECT array_agg(k.tenant_ref) INTO a_tenants
+      FROM (SELECT t.tenant_ref
+              FROM agent_dispatch_queue_tenant t
+             WHERE t.tenant_ref IN (SELECT c.tenant_ref FROM agent_dispatch_queue_count c
+                                     WHERE c.queued = 0 LIMIT p_limit)
+             ORDER BY t.tenant_ref
+               FOR UPDATE SKIP LOCKED) k;
+    IF a_tenants IS NULL THEN
+        RETURN 0;
+    END IF;
+    SELECT array_agg(k.tenant_ref), array_agg(k.group_ref) INTO a_ct, a_cg
+      FROM (SELECT c.tenant_ref, c.group_ref
+              FROM agent_dispatch_queue_count c
+             WHERE c.tenant_ref = ANY(a_tenants) AND c.queued = 0
+             ORDER BY c.tenant_ref, c.group_ref
+               FOR UPDATE SKIP LOCKED) k;
+    IF a_ct IS NULL THEN
+        RETURN 0;
+    END IF;
     WITH gone AS (
-        DELETE FROM agent_dispatch_queue_group g
-         WHERE g.tenant_ref = ANY(a_tenants) AND g.group_ref = ANY(a_groups) AND g.queued <= 0
-        RETURNING g.tenant_ref, g.group_ref
+        SELECT * FROM unnest(a_ct, a_cg) AS u(t, g)
+    ), c AS (
+        DELETE FROM agent_dispatch_queue_count c USING gone WHERE c.tenant_ref = gone.t AND c.group_ref = gone.g
+    ), g AS (
+        DELETE FROM agent_dispatch_queue_group g USING gone WHERE g.tenant_ref = gone.t AND g.group_ref = gone.g
     )
     DELETE FROM agent_dispatch_queue_group_lane l
-     USING gone WHERE l.tenant_ref = gone.tenant_ref AND l.group_ref = gone.group_ref;
+     USING gone WHERE l.tenant_ref = gone.t AND l.group_ref = gone.g;
     WITH gone AS (
         DELETE FROM agent_dispatch_queue_tenant t
-         WHERE t.tenant_ref = ANY(a_tenants) AND t.queued <= 0
+         WHERE t.tenant_ref = ANY(a_ct)
+           AND NOT EXISTS (SELECT 1 FROM agent_dispatch_queue_count c WHERE c.tenant_ref = t.tenant_ref)
         RETURNING t.tenant_ref
     )
     DELETE FROM agent_dispatch_queue_tenant_lane l USING gone WHERE l.tenant_ref = gone.tenant_ref;
-    UPDATE agent_dispatch_queue_depth SET depth = depth - cardinality(a_ids);
-    RETURN QUERY SELECT unnest(a_ids);
+    RETURN cardinality(a_ct);
 END
 $fn$;
 

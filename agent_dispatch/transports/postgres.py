@@ -43,6 +43,9 @@ _RETRYABLE: Final = frozenset({"40P01", "40001"})  # deadlock detected, serializ
 _ATTEMPTS: Final = 3
 _REF_BYTES: Final = 16
 _RECEIPT_PREFIX: Final = "pg1"
+#: Zero counters one prune call examines, and calls per prune.
+_PRUNE_LIMIT: Final = 1000
+_PRUNE_ROUNDS: Final = 10
 
 
 def _ts(value: float | None) -> datetime | None:
@@ -137,11 +140,16 @@ class PostgresTransport:
         connect_timeout_s: float = 10.0,
         statement_timeout_s: float = 30.0,
         poll_interval_s: float = 1.0,
+        history_prune_interval_s: float = 10.0,
     ) -> None:
         self.dsn = dsn
         self.max_depth = max_depth
         self.visibility_timeout_s = visibility_timeout_s
         self.poll_interval_s = poll_interval_s
+        #: How often (at most) a claim also removes the fairness history of tenants and groups left
+        #: without queued work (:meth:`prune_history`); 0 disables it.
+        self.history_prune_interval_s = history_prune_interval_s
+        self._next_prune = 0.0
         self._signing_key = signing_key
         self._connect_timeout_s = connect_timeout_s
         # Timeouts on every statement and lock wait: a wedged server fails calls, never hangs them.
@@ -220,11 +228,23 @@ class PostgresTransport:
         row = conn.execute(
             "SELECT value FROM agent_dispatch_queue_meta WHERE key = 'schema_version'"
         ).fetchone()
-        if row is not None and int(bytes(row[0])) > schema.SCHEMA_VERSION:
+        current = None if row is None else int(bytes(row[0]))
+        if current is not None and current > schema.SCHEMA_VERSION:
             raise SchemaOutdated(
-                f"the queue schema is version {int(bytes(row[0]))}; this code knows "
+                f"the queue schema is version {current}; this code knows "
                 f"{schema.SCHEMA_VERSION}: upgrade agent-dispatch"
             )
+        if current is not None and current < schema.SCHEMA_VERSION:
+            # An older queue: upgrade it in place, in this transaction (all or nothing).
+            for version in range(current, schema.SCHEMA_VERSION):
+                if version not in schema.UPGRADES:
+                    raise SchemaOutdated(
+                        f"the queue schema is version {current}, which this code cannot upgrade to "
+                        f"{schema.SCHEMA_VERSION}: drain the queue and drop its tables, or upgrade "
+                        "through an intermediate agent-dispatch release"
+                    )
+                log.info("upgrading the PostgreSQL queue schema from version %d to %d", version, version + 1)
+                conn.execute(schema.UPGRADES[version])
         conn.execute(schema.DDL)
         conn.execute(
             "INSERT INTO agent_dispatch_queue_meta VALUES ('schema_version', %s), ('ref_salt', %s) "
@@ -331,6 +351,7 @@ class PostgresTransport:
         if max_items < 1:
             return []
         self._ready()
+        self._maybe_prune()
         deadline = time.monotonic() + max(wait_s, 0.0)
         waker = self._get_waker() if wait_s > 0 else None
         while True:
@@ -358,6 +379,41 @@ class PostgresTransport:
             )
             for row_id, work_item_id, wire, token, claimed_at, deliveries in rows
         ]
+
+    def prune_history(self, *, limit: int = _PRUNE_LIMIT) -> int:
+        """Remove the fairness history of groups and tenants with no queued row; returns the groups removed.
+
+        Acknowledgements only count rows down (they never wait for the tenant locks that claims
+        hold); this removes what they left at zero. Claims call it every
+        ``history_prune_interval_s``; a tenant that gets work again before then keeps its history.
+        """
+        self._ready()
+
+        def run() -> int:
+            with self._conn() as conn:
+                row = conn.execute("SELECT agent_dispatch_queue_prune(%s)", (limit,)).fetchone()
+            return int(row[0]) if row else 0
+
+        removed = total = self._call(run, unavailable=BackendUnavailable)
+        for _ in range(_PRUNE_ROUNDS - 1):
+            if removed < limit:
+                break
+            removed = self._call(run, unavailable=BackendUnavailable)
+            total += removed
+        return total
+
+    def _maybe_prune(self) -> None:
+        if self.history_prune_interval_s <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next_prune:
+                return
+            self._next_prune = now + self.history_prune_interval_s
+        try:
+            self.prune_history()
+        except (BackendUnavailable, psycopg.Error) as exc:  # the claim reports an unavailable database
+            log.warning("pruning the queue's fairness history failed: %s", exc)
 
     def ack(self, receipt: Receipt) -> None:
         if self.ack_many([receipt]):
