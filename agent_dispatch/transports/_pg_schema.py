@@ -218,6 +218,16 @@ DECLARE
     v_claimed     integer := 0;
     v_attempt     integer;
     v_rows        integer;
+    v_n           integer;
+    a_tenants     bytea[];
+    a_prios       integer[];
+    a_lane_served bigint[];
+    a_served      bigint[];
+    a_groups      bytea[];
+    a_gl_served   bigint[];
+    a_g_served    bigint[];
+    a_ids         bigint[];
+    a_stamps      bigint[];
 BEGIN
     -- Due rows (visibility timeouts, elapsed delays): the wake-up is a SQL function with
     -- data-modifying CTEs, planned afresh on every call, so it runs only when the first entry of
@@ -233,6 +243,87 @@ BEGIN
     SELECT q.deadline INTO v_first
       FROM agent_dispatch_queue q WHERE q.state = 'r' AND q.deadline IS NOT NULL ORDER BY q.deadline LIMIT 1;
     v_expired := coalesce(v_first <= now(), false);
+    -- The first round at once. Claimed one by one, the first rows of the call come from distinct
+    -- tenants in lane order: the best lane's tenant, once served, ranks after every tenant not
+    -- served yet at that priority. So one statement locks up to p_max tenants in lane order and
+    -- reads each one's least recently served group and that group's first row, and the longest
+    -- prefix at the first tenant's priority whose stamps are current (as in the loop below) is
+    -- claimed and stamped in one more statement, in that order. The loop then takes over (next
+    -- round, lower priorities, stale stamps, expired deadlines) with these stamps visible.
+    IF NOT v_expired AND p_max > 1 THEN
+        SELECT array_agg(p.tenant_ref ORDER BY p.o), array_agg(p.priority ORDER BY p.o),
+               array_agg(p.lane_served ORDER BY p.o), array_agg(p.served ORDER BY p.o),
+               array_agg(gl.group_ref ORDER BY p.o), array_agg(gl.group_served ORDER BY p.o),
+               array_agg(g.served ORDER BY p.o), array_agg(r.id ORDER BY p.o)
+          INTO a_tenants, a_prios, a_lane_served, a_served, a_groups, a_gl_served, a_g_served, a_ids
+          FROM (SELECT k.*, row_number() OVER () AS o
+                  FROM (SELECT l.tenant_ref, l.priority, l.tenant_served AS lane_served, t.served
+                          FROM agent_dispatch_queue_tenant_lane l
+                          JOIN agent_dispatch_queue_tenant t ON t.tenant_ref = l.tenant_ref
+                         WHERE l.ready > 0
+                         ORDER BY l.priority DESC, l.tenant_served
+                         LIMIT p_max
+                           FOR UPDATE OF t SKIP LOCKED) k) p
+          LEFT JOIN LATERAL (
+                SELECT x.group_ref, x.group_served
+                  FROM agent_dispatch_queue_group_lane x
+                 WHERE x.tenant_ref = p.tenant_ref AND x.priority = p.priority AND x.ready > 0
+                 ORDER BY x.group_served
+                 LIMIT 1) gl ON true
+          LEFT JOIN agent_dispatch_queue_group g
+            ON g.tenant_ref = p.tenant_ref AND g.group_ref = gl.group_ref
+          LEFT JOIN LATERAL (
+                SELECT q.id
+                  FROM agent_dispatch_queue q
+                 WHERE q.tenant_ref = p.tenant_ref AND q.group_ref = gl.group_ref
+                   AND q.priority = p.priority AND q.state = 'r'
+                 ORDER BY q.deadline, q.enqueued_at, q.id
+                 LIMIT 1) r ON true;
+        v_n := 0;
+        WHILE v_n < coalesce(cardinality(a_tenants), 0)
+              AND a_prios[v_n + 1] = a_prios[1]
+              AND a_lane_served[v_n + 1] = a_served[v_n + 1]
+              AND a_gl_served[v_n + 1] = a_g_served[v_n + 1]
+              AND a_ids[v_n + 1] IS NOT NULL LOOP
+            v_n := v_n + 1;
+            a_stamps[v_n] := nextval('agent_dispatch_queue_serve_seq');
+        END LOOP;
+        IF v_n > 0 THEN
+            v_prio := a_prios[1];
+            RETURN QUERY
+                WITH b AS (
+                    SELECT * FROM unnest(a_ids[1:v_n], a_tenants[1:v_n], a_groups[1:v_n], a_stamps[1:v_n])
+                           WITH ORDINALITY AS b(id, t, g, stamp, o)
+                ), c AS (
+                    UPDATE agent_dispatch_queue q
+                       SET state = 'c', claim_owner = p_owner, claim_token = gen_random_uuid(),
+                           claimed_at = clock_timestamp(), visible_at = now() + p_visibility,
+                           deliveries = q.deliveries + 1
+                      FROM b
+                     -- (state NOT IN rather than = 'r', which planners matched to the lane index)
+                     WHERE q.id = ANY(a_ids[1:v_n]) AND q.id = b.id AND q.state NOT IN ('c', 'd')
+                    RETURNING q.id, q.work_item_id, q.wire, q.claim_token, q.claimed_at, q.deliveries,
+                              b.t, b.g, b.stamp, b.o
+                ), st AS (
+                    UPDATE agent_dispatch_queue_tenant t SET served = c.stamp FROM c WHERE t.tenant_ref = c.t
+                ), sg AS (
+                    UPDATE agent_dispatch_queue_group g SET served = c.stamp
+                      FROM c WHERE g.tenant_ref = c.t AND g.group_ref = c.g
+                ), lt AS (
+                    UPDATE agent_dispatch_queue_tenant_lane l
+                       SET tenant_served = c.stamp, ready = l.ready - (l.priority = v_prio)::integer
+                      FROM c WHERE l.tenant_ref = c.t
+                ), lg AS (
+                    UPDATE agent_dispatch_queue_group_lane l
+                       SET group_served = c.stamp, ready = l.ready - (l.priority = v_prio)::integer
+                      FROM c WHERE l.tenant_ref = c.t AND l.group_ref = c.g
+                )
+                SELECT c.id, c.work_item_id, c.wire, c.claim_token, c.claimed_at, c.deliveries
+                  FROM c ORDER BY c.o;
+            GET DIAGNOSTICS v_rows = ROW_COUNT;
+            v_claimed := v_rows;
+        END IF;
+    END IF;
     WHILE v_claimed < p_max LOOP
         v_id := NULL;
         IF v_expired THEN

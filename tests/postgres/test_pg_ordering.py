@@ -130,7 +130,7 @@ row_specs = st.tuples(
 @given(
     history=st.lists(st.tuples(st.sampled_from(TENANTS), st.sampled_from(GROUPS)), max_size=8),
     specs=st.lists(row_specs, min_size=1, max_size=24),
-    batch_sizes=st.lists(st.integers(1, 4), min_size=1, max_size=6),
+    batch_sizes=st.lists(st.integers(1, 10), min_size=1, max_size=6),
 )
 def test_claim_order_matches_the_reference_sort(
     transport: PostgresTransport,
@@ -245,3 +245,24 @@ def test_scheduling_columns_hold_opaque_references(transport: PostgresTransport,
         assert other.tenant_ref("acme-corp") == bytes(refs[0][0])
     finally:
         other.close()
+
+
+def test_batches_larger_than_the_tenant_count_follow_the_reference_order(
+    transport: PostgresTransport, postgres_dsn: str
+) -> None:
+    """Claims of 16 over 30 tenants at two priorities: each call's first round is one statement."""
+    reset(postgres_dsn)
+    reference = Reference()
+    rows: list[Row] = []
+    for idx in range(240):
+        tenant, group, priority = f"tenant-{idx * 7 % 30}", f"g{idx % 3}", 1 if idx % 5 == 0 else 0
+        sent = outbound(tenant, group, priority=priority)
+        transport.admit([sent])
+        reference.arrive(tenant, group)
+        rows.append(Row(idx, tenant, group, priority, None, False, sent.work_item_id))
+    expected = reference.order(rows)
+    claimed: list[str] = []
+    while got := transport.claim("worker", max_items=16):
+        claimed += [d.work_item_id for d in got]
+        transport.ack_many([d.receipt for d in got[1::2]])
+    assert claimed == expected
