@@ -174,54 +174,49 @@ def throughput(queue: PostgresTransport, threads: int, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - started)
 
 
+_PICK = """
+        SELECT p.tenant_ref, p.priority, p.lane_served, p.served, gl.group_ref, gl.group_served, gl.served, r.id
+          FROM (SELECT l.tenant_ref, l.priority, l.tenant_served AS lane_served, t.served
+                  FROM agent_dispatch_queue_tenant_lane l
+                  JOIN agent_dispatch_queue_tenant t ON t.tenant_ref = l.tenant_ref
+                 WHERE l.ready > 0
+                 ORDER BY l.priority DESC, l.tenant_served
+                 LIMIT %(n)s
+                   FOR UPDATE OF t SKIP LOCKED) p
+          LEFT JOIN LATERAL (
+                SELECT x.group_ref, x.group_served, g.served FROM agent_dispatch_queue_group_lane x
+                  LEFT JOIN agent_dispatch_queue_group g ON g.tenant_ref = x.tenant_ref AND g.group_ref = x.group_ref
+                 WHERE x.tenant_ref = p.tenant_ref AND x.priority = p.priority AND x.ready > 0
+                 ORDER BY x.group_served LIMIT 1) gl ON true
+          LEFT JOIN LATERAL (
+                SELECT q.id FROM agent_dispatch_queue q
+                 WHERE q.tenant_ref = p.tenant_ref AND q.group_ref = gl.group_ref
+                   AND q.priority = p.priority AND q.state = 'r'
+                 ORDER BY q.deadline, q.enqueued_at, q.id LIMIT 1) r ON true"""
+
+#: The reads of ``agent_dispatch_queue_claim`` (``_pg_schema.py``), as it runs them.
 EXPLAINED = {
-    "wake (visibility timeouts, elapsed delays)": """
-        SELECT q.id FROM agent_dispatch_queue q
-          JOIN agent_dispatch_queue_tenant t ON t.tenant_ref = q.tenant_ref
-         WHERE q.state <> 'r' AND q.visible_at <= now()
-         ORDER BY q.visible_at LIMIT 256 FOR UPDATE OF q, t SKIP LOCKED""",
-    "expired deadlines first": """
-        SELECT q.id FROM agent_dispatch_queue q
-          JOIN agent_dispatch_queue_tenant t ON t.tenant_ref = q.tenant_ref
-          JOIN agent_dispatch_queue_group g ON g.tenant_ref = q.tenant_ref AND g.group_ref = q.group_ref
-         WHERE q.state = 'r' AND q.deadline <= now()
-         ORDER BY q.priority DESC, t.served, g.served, q.deadline, q.enqueued_at, q.id
-         LIMIT 1 FOR UPDATE OF q, t SKIP LOCKED""",
-    "next lane: priority, least recently served tenant": """
-        SELECT l.tenant_ref, l.priority, l.tenant_served
-          FROM agent_dispatch_queue_tenant_lane l
-          JOIN agent_dispatch_queue_tenant t ON t.tenant_ref = l.tenant_ref
-         WHERE l.ready > 0 ORDER BY l.priority DESC, l.tenant_served LIMIT 1 FOR UPDATE OF t SKIP LOCKED""",
-    "least recently served group of that tenant": """
-        SELECT l.group_ref FROM agent_dispatch_queue_group_lane l
-         WHERE l.tenant_ref = %(t)s AND l.priority = %(p)s AND l.ready > 0
-         ORDER BY l.group_served LIMIT 1""",
-    "the lane's first row": """
-        SELECT q.id FROM agent_dispatch_queue q
-         WHERE q.tenant_ref = %(t)s AND q.group_ref = %(g)s AND q.priority = %(p)s AND q.state = 'r'
-         ORDER BY q.deadline, q.enqueued_at, q.id LIMIT 1 FOR UPDATE SKIP LOCKED""",
+    "wake-up probe (first entry of the wake-up index)": """
+        SELECT q.visible_at FROM agent_dispatch_queue q WHERE q.state <> 'r' ORDER BY q.visible_at LIMIT 1""",
+    "expired-deadline probe (first entry of the expiry index)": """
+        SELECT q.deadline FROM agent_dispatch_queue q
+         WHERE q.state = 'r' AND q.deadline IS NOT NULL ORDER BY q.deadline LIMIT 1""",
+    "first round of a claim of 16: 16 lanes with their tenants locked, groups, first rows": _PICK,
+    "one more row: the best lane, its tenant locked, its group, its first row": _PICK,
 }
+_EXPLAIN_LIMITS = {title: 16 if "16" in title else 1 for title in EXPLAINED}
 
 
 def explain(queue: PostgresTransport) -> None:
     with psycopg.connect(
         queue.dsn
     ) as conn:  # one transaction, rolled back: explaining locks nothing for good
-        lane = conn.execute(
-            "SELECT tenant_ref, priority FROM agent_dispatch_queue_tenant_lane WHERE ready > 0 "
-            "ORDER BY priority DESC, tenant_served LIMIT 1"
-        ).fetchone()
-        assert lane is not None
-        group = conn.execute(
-            "SELECT group_ref FROM agent_dispatch_queue_group_lane WHERE tenant_ref = %s AND priority = %s "
-            "AND ready > 0 ORDER BY group_served LIMIT 1",
-            lane,
-        ).fetchone()
-        assert group is not None
-        params = {"t": lane[0], "p": lane[1], "g": group[0]}
         for title, statement in EXPLAINED.items():
             print(f"\n## EXPLAIN ANALYZE: {title}")
-            rows = conn.execute(f"EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {statement}", params).fetchall()  # type: ignore[call-overload]
+            rows = conn.execute(
+                f"EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {statement}",
+                {"n": _EXPLAIN_LIMITS[title]},
+            ).fetchall()
             for (line,) in rows:
                 print(f"    {line}")
         conn.rollback()
