@@ -46,6 +46,11 @@ _RECEIPT_PREFIX: Final = "pg1"
 #: Zero counters one prune call examines, and calls per prune.
 _PRUNE_LIMIT: Final = 1000
 _PRUNE_ROUNDS: Final = 10
+#: Dead rows that make the maintenance vacuum a small fairness table / the queue itself (at least
+#: this many, and at least this share of its live rows).
+_VACUUM_SMALL_DEAD: Final = 1000
+_VACUUM_QUEUE_DEAD: Final = 10_000
+_VACUUM_QUEUE_SHARE: Final = 0.05
 
 
 def _ts(value: float | None) -> datetime | None:
@@ -124,6 +129,28 @@ class _Waker:
         self._thread.join(timeout=5)
 
 
+class _Maintenance:
+    """One thread per transport that claims: runs ``transport._maintain`` every ``tick_s``."""
+
+    def __init__(self, maintain: Callable[[], None], tick_s: float) -> None:
+        self._maintain = maintain
+        self._tick_s = tick_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="agent-dispatch-pg-maintenance", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._tick_s):
+            try:
+                self._maintain()
+            except Exception:  # a failed round is retried at the next tick; claims report outages
+                log.warning("queue maintenance failed", exc_info=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 class PostgresTransport:
     """The PostgreSQL queue. Thread-safe: worker threads share one instance and its pool."""
 
@@ -141,15 +168,22 @@ class PostgresTransport:
         statement_timeout_s: float = 30.0,
         poll_interval_s: float = 1.0,
         history_prune_interval_s: float = 10.0,
+        vacuum_interval_s: float = 5.0,
     ) -> None:
         self.dsn = dsn
         self.max_depth = max_depth
         self.visibility_timeout_s = visibility_timeout_s
         self.poll_interval_s = poll_interval_s
-        #: How often (at most) a claim also removes the fairness history of tenants and groups left
-        #: without queued work (:meth:`prune_history`); 0 disables it.
+        #: Once a transport has claimed, a maintenance thread removes the fairness history of
+        #: tenants and groups left without queued work every ``history_prune_interval_s``
+        #: (:meth:`prune_history`) and vacuums the queue's tables that hold many dead rows every
+        #: ``vacuum_interval_s`` (:meth:`vacuum`); 0 disables either.
         self.history_prune_interval_s = history_prune_interval_s
+        self.vacuum_interval_s = vacuum_interval_s
         self._next_prune = 0.0
+        self._next_vacuum = 0.0
+        self._may_vacuum: bool | None = None
+        self._maintenance: _Maintenance | None = None
         self._signing_key = signing_key
         self._connect_timeout_s = connect_timeout_s
         # Timeouts on every statement and lock wait: a wedged server fails calls, never hangs them.
@@ -263,7 +297,10 @@ class PostgresTransport:
         with self._lock:
             self._closed = True
             waker, self._waker = self._waker, None
+            maintenance, self._maintenance = self._maintenance, None
             pool, self._pool = self._pool, None
+        if maintenance is not None:
+            maintenance.close()
         if waker is not None:
             waker.close()
         if pool is not None:
@@ -351,7 +388,8 @@ class PostgresTransport:
         if max_items < 1:
             return []
         self._ready()
-        self._maybe_prune()
+        if self._maintenance is None:
+            self._start_maintenance()
         deadline = time.monotonic() + max(wait_s, 0.0)
         waker = self._get_waker() if wait_s > 0 else None
         while True:
@@ -384,7 +422,7 @@ class PostgresTransport:
         """Remove the fairness history of groups and tenants with no queued row; returns the groups removed.
 
         Acknowledgements only count rows down (they never wait for the tenant locks that claims
-        hold); this removes what they left at zero. Claims call it every
+        hold); this removes what they left at zero. A claiming transport calls it every
         ``history_prune_interval_s``; a tenant that gets work again before then keeps its history.
         """
         self._ready()
@@ -402,18 +440,81 @@ class PostgresTransport:
             total += removed
         return total
 
-    def _maybe_prune(self) -> None:
-        if self.history_prune_interval_s <= 0:
-            return
-        now = time.monotonic()
+    def vacuum(
+        self, *, min_dead_small: int = _VACUUM_SMALL_DEAD, min_dead_queue: int = _VACUUM_QUEUE_DEAD
+    ) -> list[str]:
+        """VACUUM the queue's tables that hold many dead rows; returns the tables vacuumed.
+
+        Every claim rewrites a lane row of each of the small fairness tables (their indexed stamp
+        moves), and every claim and ack leaves a dead queue row whose index entries later claims
+        step over; autovacuum visits a database once a minute at most, which under load is tens of
+        thousands of dead entries. The small tables cost milliseconds to vacuum; the queue only
+        once its dead rows are both ``min_dead_queue`` and 5% of its live ones (its index
+        cleanup reads whole indexes: 0.3 s at a million queued rows).
+        """
+        self._ready()
+
+        def run() -> list[str]:
+            with self._conn() as conn:
+                stats = conn.execute(
+                    "SELECT relname::text, n_dead_tup, n_live_tup FROM pg_stat_user_tables "
+                    "WHERE relid = ANY(%s::regclass[])",
+                    (list(schema.TABLES),),
+                ).fetchall()
+                due = [
+                    name
+                    for name, dead, live in stats
+                    if (
+                        dead >= max(min_dead_queue, _VACUUM_QUEUE_SHARE * live)
+                        if name == schema.TABLES[0]
+                        else dead >= min_dead_small
+                    )
+                ]
+                if due:
+                    conn.execute(
+                        sql.SQL("VACUUM (SKIP_LOCKED) {}").format(
+                            sql.SQL(", ").join(map(sql.Identifier, due))
+                        )
+                    )
+            return due
+
+        return self._call(run, unavailable=BackendUnavailable)
+
+    def _start_maintenance(self) -> None:
+        ticks = [t for t in (self.history_prune_interval_s, self.vacuum_interval_s) if t > 0]
         with self._lock:
-            if now < self._next_prune:
-                return
+            if self._maintenance is None and ticks and not self._closed:
+                self._maintenance = _Maintenance(self._maintain, min(1.0, *ticks))
+
+    def _maintain(self) -> None:
+        now = time.monotonic()
+        prune = self.history_prune_interval_s > 0 and self._next_prune <= now
+        vacuum = self.vacuum_interval_s > 0 and self._next_vacuum <= now
+        if prune:
             self._next_prune = now + self.history_prune_interval_s
-        try:
             self.prune_history()
-        except (BackendUnavailable, psycopg.Error) as exc:  # the claim reports an unavailable database
-            log.warning("pruning the queue's fairness history failed: %s", exc)
+        if vacuum:
+            self._next_vacuum = now + self.vacuum_interval_s
+            if self._may_vacuum is None:
+                self._may_vacuum = self._owns_tables()
+                if not self._may_vacuum:
+                    log.info(
+                        "not vacuuming the queue's tables: this role does not own them (autovacuum does)"
+                    )
+            if self._may_vacuum:
+                self.vacuum()
+
+    def _owns_tables(self) -> bool:
+        """Whether VACUUM would process the queue's tables rather than skip them with a warning."""
+        with self._conn() as conn:
+            row = conn.execute(
+                "SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)"
+                " OR pg_has_role((SELECT datdba FROM pg_database WHERE datname = current_database()), 'USAGE')"
+                " OR bool_and(pg_has_role(c.relowner, 'USAGE'))"
+                " FROM pg_class c WHERE c.oid = ANY(%s::regclass[])",
+                (list(schema.TABLES),),
+            ).fetchone()
+        return bool(row and row[0])
 
     def ack(self, receipt: Receipt) -> None:
         if self.ack_many([receipt]):
