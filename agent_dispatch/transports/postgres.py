@@ -143,8 +143,10 @@ class _Maintenance:
         while not self._stop.wait(self._tick_s):
             try:
                 self._maintain()
-            except Exception:  # a failed round is retried at the next tick; claims report outages
-                log.warning("queue maintenance failed", exc_info=True)
+            except (BackendUnavailable, psycopg.Error) as exc:  # claims report outages; retried next tick
+                log.warning("queue maintenance failed: %s", exc)
+            except Exception:
+                log.exception("queue maintenance failed")
 
     def close(self) -> None:
         self._stop.set()
