@@ -28,7 +28,7 @@ from agent_dispatch.lease import SessionHold, WorkItemLeaseGuard, session_batch_
 from agent_dispatch.models import Lease, Outcome
 from agent_dispatch.transport import Delivery
 from agent_dispatch.worker import _metrics as m
-from agent_dispatch.worker._executors import TurnFailed
+from agent_dispatch.worker._executors import TurnFailed, run_executor
 
 if TYPE_CHECKING:
     from agent_dispatch.worker._loop import Worker, _InFlight
@@ -148,18 +148,10 @@ class Batch:
             renewer=w.renewer,
         )
         turn.flight.guard = guard
-        failure: TurnFailed | None = None
         started = time.perf_counter()
         try:
             with guard:
-                try:
-                    w.executor(turn.envelope, turn.payload, guard, log)
-                except LeaseLost:
-                    raise
-                except TurnFailed as exc:
-                    failure = exc
-                except Exception as exc:
-                    failure = TurnFailed(f"{type(exc).__name__}: {exc}", retryable=True)
+                failure = run_executor(w.executor, turn.envelope, turn.payload, guard, log)
         except LeaseLost as exc:
             self._finish(turn)
             w._lease_lost(turn.delivery, exc)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agent_dispatch.envelope import AgentTurnEnvelope
+from agent_dispatch.errors import LeaseLost
 from agent_dispatch.lease import WorkItemLeaseGuard
 from agent_dispatch.settings import Settings
 
@@ -27,6 +28,26 @@ class TurnFailed(Exception):
     def __init__(self, message: str, *, retryable: bool) -> None:
         super().__init__(message)
         self.retryable = retryable
+
+
+def run_executor(
+    executor: Executor,
+    envelope: AgentTurnEnvelope,
+    payload: bytes,
+    guard: WorkItemLeaseGuard,
+    logger: logging.Logger,
+) -> TurnFailed | None:
+    """Run one turn; its failure as a ``TurnFailed`` (an unexpected exception is retryable), or
+    None. A lost lease propagates: it is not the turn's failure."""
+    try:
+        executor(envelope, payload, guard, logger)
+    except LeaseLost:
+        raise
+    except TurnFailed as exc:
+        return exc
+    except Exception as exc:
+        return TurnFailed(f"{type(exc).__name__}: {exc}", retryable=True)
+    return None
 
 
 def noop(

@@ -36,7 +36,7 @@ from agent_dispatch.store import WorkItemStore
 from agent_dispatch.transport import Delivery, Transport
 from agent_dispatch.worker import _metrics as m
 from agent_dispatch.worker._batch import BUSY_DELAY_S, Batch
-from agent_dispatch.worker._executors import Executor, TurnFailed
+from agent_dispatch.worker._executors import Executor, TurnFailed, run_executor
 
 log = logging.getLogger("agent_dispatch.worker")
 
@@ -302,17 +302,9 @@ class Worker:
                 renewer=self.renewer,
             )
             flight.guard = guard
-            failure: TurnFailed | None = None
             started = time.perf_counter()
             with guard:
-                try:
-                    self.executor(envelope, payload, guard, log)
-                except LeaseLost:
-                    raise
-                except TurnFailed as exc:
-                    failure = exc
-                except Exception as exc:
-                    failure = TurnFailed(f"{type(exc).__name__}: {exc}", retryable=True)
+                failure = run_executor(self.executor, envelope, payload, guard, log)
             elapsed = time.perf_counter() - started
             m.EXECUTE_SECONDS.observe(elapsed)
             self._observe_turn(elapsed)
