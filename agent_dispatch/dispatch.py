@@ -343,6 +343,21 @@ def enqueue_many(
     return [o for o in outcomes if o is not None]
 
 
+def _sealable(
+    requests: Sequence[SubmitRequest], outcomes: list[SubmitResult | DispatchError | None]
+) -> list[int]:
+    """The positions of the requests whose envelope can be sealed; the others' errors go into
+    ``outcomes`` at their position."""
+    valid: list[int] = []
+    for index, request in enumerate(requests):
+        try:
+            check_envelope_fields(request)
+            valid.append(index)
+        except DispatchError as exc:
+            outcomes[index] = exc
+    return valid
+
+
 def _answer_refused(
     store: WorkItemStore, request: SubmitRequest, refusal: AdmissionRejected
 ) -> SubmitResult | DispatchError:
@@ -371,13 +386,7 @@ def _enqueue_many_reserved(
     """
     assert isinstance(transport, _ReservingTransport)
     outcomes: list[SubmitResult | DispatchError | None] = [None] * len(requests)
-    valid: list[int] = []
-    for index, request in enumerate(requests):
-        try:
-            check_envelope_fields(request)
-            valid.append(index)
-        except DispatchError as exc:
-            outcomes[index] = exc
+    valid = _sealable(requests, outcomes)
     if not valid:
         return [o for o in outcomes if o is not None]
     try:
@@ -434,14 +443,11 @@ def _submit_each(
     admission fails otherwise (outcome unknown), or whose cancel fails, is re-driven by the sweep
     once the stamp is ``stale_after`` old.
     """
-    outcomes: list[tuple[int, SubmitResult | DispatchError]] = []
-    valid: list[int] = []
-    for index, request in enumerate(requests):
-        try:
-            check_envelope_fields(request)
-            valid.append(index)
-        except DispatchError as exc:
-            outcomes.append((index, exc))
+    refused: list[SubmitResult | DispatchError | None] = [None] * len(requests)
+    valid = _sealable(requests, refused)
+    outcomes: list[tuple[int, SubmitResult | DispatchError]] = [
+        (index, outcome) for index, outcome in enumerate(refused) if outcome is not None
+    ]
     if isinstance(store, _SharedBatchStore) and not any(requests[i].depends_on for i in valid):
         try:
             results = store.submit_many_in_transaction(
@@ -475,13 +481,7 @@ def _enqueue_batch_shared(
     assert isinstance(transport, _SharedTransport) and isinstance(store, _SharedBatchStore)
     shared = transport
     outcomes: list[SubmitResult | DispatchError | None] = [None] * len(requests)
-    valid: list[int] = []
-    for index, request in enumerate(requests):
-        try:
-            check_envelope_fields(request)
-            valid.append(index)
-        except DispatchError as exc:
-            outcomes[index] = exc
+    valid = _sealable(requests, outcomes)
 
     def admit_all(conn: Any, items: list[WorkItem]) -> None:
         turns = [build_turn(item, signing_key=signing_key) for item in items if _admittable(item)]
