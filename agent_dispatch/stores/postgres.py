@@ -304,8 +304,12 @@ INSERT_DEPENDENCIES: Final = (
 _FRESH: Final = "w.attempt < w.max_attempts"
 
 
-def _take_sql(leased: str = "leased", returning: str = "") -> str:
-    """Lease each ``cand`` row into state ``leased`` (start_many takes it straight to 'running')."""
+def _take_sql(leased: str = "leased", returning: str = "", *, named: bool = False) -> str:
+    """Lease each ``cand`` row into state ``leased`` (start_many takes it straight to 'running').
+
+    ``named``: the rows are among the ``ids`` array, which gives the planner a primary-key path
+    to them however few rows it believes the table holds (else a small table is scanned whole).
+    """
     return f"""
     UPDATE {T} w SET
         state = CASE WHEN {_FRESH} THEN '{leased}' ELSE 'dead_letter' END,
@@ -320,7 +324,7 @@ def _take_sql(leased: str = "leased", returning: str = "") -> str:
         error = CASE WHEN {_FRESH} THEN w.error
                 ELSE 'attempts exhausted (' || w.attempt || ' of ' || w.max_attempts || ')' END,
         updated_at = {NOW}
-    FROM cand WHERE w.id = cand.cid AND cand.simple
+    FROM cand WHERE w.id = cand.cid AND cand.simple{" AND w.id = ANY(%(ids)s::text[])" if named else ""}
     RETURNING {RETURN_W}, cand.prev_state, cand.prev_owner{returning}
 """
 
@@ -401,15 +405,19 @@ SELECT * FROM upd
 # simply claimable are taken (attempts left, so no dead letter and nothing to cascade; deadline not
 # passed; tenant as named); a row another transaction has locked is skipped, not waited for. The
 # records are 'claim' then 'running' per item (a UNION ALL is inserted branch by branch, in order).
+# Each named row is found by a lateral primary-key lookup: joined to the unnested arrays instead,
+# the cached generic plan scanned every active item (the whole queue) for each batch.
 START_MANY: Final = f"""
 WITH cand AS (
-    SELECT id AS cid, state AS prev_state, lease_owner AS prev_owner, true AS simple
-    FROM {T} JOIN unnest(%(ids)s::text[], %(tenants)s::text[]) AS req(rid, rtenant)
-        ON id = req.rid AND tenant = req.rtenant
-    WHERE {_CLAIMABLE} AND attempt < max_attempts AND (deadline IS NULL OR deadline - {NOW} > interval '0')
-    ORDER BY id
-    FOR UPDATE OF {T} SKIP LOCKED
-), upd AS ({_take_sql("running", ", w.payload")}), ev AS ({
+    SELECT w.id AS cid, w.state AS prev_state, w.lease_owner AS prev_owner, true AS simple
+    FROM unnest(%(ids)s::text[], %(tenants)s::text[]) AS req(rid, rtenant)
+    CROSS JOIN LATERAL (
+        SELECT id, state, lease_owner FROM {T}
+        WHERE id = req.rid AND tenant = req.rtenant AND {_CLAIMABLE} AND attempt < max_attempts
+          AND (deadline IS NULL OR deadline - {NOW} > interval '0')
+        FOR UPDATE SKIP LOCKED
+    ) AS w
+), upd AS ({_take_sql("running", ", w.payload", named=True)}), ev AS ({
     _take_event_sql("running", " UNION ALL " + _event_select("'running'"))
 })
 SELECT * FROM upd
@@ -422,20 +430,33 @@ RENEW: Final = (
 
 #: commit_many's requests, one row per lease; ``_column`` names its columns.
 COMMIT_BATCH: Final = (
-    " FROM unnest(%(ids)s::text[], %(tenants)s::text[], %(owners)s::text[], %(epochs)s::bigint[],"
+    "unnest(%(ids)s::text[], %(tenants)s::text[], %(owners)s::text[], %(epochs)s::bigint[],"
     " %(tokens)s::bigint[], %(states)s::text[], %(outcomes)s::text[], %(errors)s::text[])"
     " AS c(c_id, c_tenant, c_owner, c_epoch, c_token, c_state, c_outcome, c_error)"
 )
 
 
 def commit_sql(extra: str = "", *, batch: bool = False) -> str:
-    """The fenced terminal commit of one lease, or (``batch``) of every lease in COMMIT_BATCH's arrays."""
+    """The fenced terminal commit of one lease, or (``batch``) of every lease in COMMIT_BATCH's arrays.
+
+    A batch finds and locks each fenced row by a lateral primary-key lookup, then updates what it
+    locked, again by primary key: with the fence in the UPDATE's own WHERE, the generic plan walked
+    every live lease (the lease-expiry index) for each batch.
+    """
     arg = _column if batch else _param
+    where = (
+        f""" FROM (
+        SELECT c.*, w.wid FROM {COMMIT_BATCH}
+        CROSS JOIN LATERAL (SELECT id AS wid FROM {T} WHERE {fence_sql(arg)}{extra} FOR UPDATE) AS w
+    ) AS c
+    WHERE id = c.wid AND id = ANY(%(ids)s::text[])"""
+        if batch
+        else f"\n    WHERE {fence_sql(arg)}{extra}"
+    )
     return f"""
 WITH upd AS (
     UPDATE {T} SET state = {arg("state")}, outcome = {arg("outcome")}, error = {arg("error")},
-        commit_token = fencing_token, lease_expires_at = NULL, updated_at = {NOW}{COMMIT_BATCH if batch else ""}
-    WHERE {fence_sql(arg)}{extra}
+        commit_token = fencing_token, lease_expires_at = NULL, updated_at = {NOW}{where}
     RETURNING {RETURN_ITEM}
 ), ev AS ({_event_sql("'commit'", "outcome", "error")})
 SELECT * FROM upd

@@ -15,6 +15,7 @@ import pytest
 
 from agent_dispatch.models import Outcome, SubmitRequest, WorkState
 from agent_dispatch.store import StartedTurn
+from agent_dispatch.stores import postgres as pg
 from agent_dispatch.stores.postgres import PostgresStore
 from tests.contract._store_harness import store_settings
 
@@ -74,3 +75,56 @@ def test_start_many_skips_a_row_another_transaction_has_locked(
     assert set(result) == {free}
     assert store.get(locked).state is WorkState.READY
     assert set(store.start_many("w1", [(locked, "t1")])) == {locked}
+
+
+def _rows_read(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> int:
+    """Rows the work-item table gave ``statement`` under its generic plan (the plan a pooled,
+    prepared statement settles on), counted in the statement's own transaction."""
+    with conn.transaction(force_rollback=True):
+        conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        conn.execute(statement, params, prepare=True).fetchall()
+        row = conn.execute(
+            "SELECT pg_stat_get_xact_tuples_returned(c.oid) + pg_stat_get_xact_tuples_fetched(c.oid)"
+            " FROM pg_class c WHERE c.relname = 'agent_dispatch_work_items'"
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_batch_statements_read_only_the_rows_they_name_whatever_the_queue_holds(
+    store: PostgresStore, postgres_dsn: str
+) -> None:
+    """Joined to the unnested arrays, the generic plans scanned every active item (start_many)
+    and every live lease (commit_many) per batch: a cost that grew with the queue. (A table of a
+    few pages is rightly scanned whole, hence one big enough for the primary key to be cheaper.)"""
+    requests = [SubmitRequest(tenant="t1", kind="turn", payload=b"p") for _ in range(4000)]
+    ids = [r.item.id for r in store.submit_many_in_transaction(requests, lambda conn, items: None)]  # type: ignore[union-attr]
+    held = store.start_many("w1", [(item_id, "t1") for item_id in ids[:300]], ttl_s=300)
+    assert len(held) == 300
+    named = ids[300:316]
+    leases = [turn.lease for turn in list(held.values())[:16]]
+    with psycopg.connect(postgres_dsn) as conn:
+        started = _rows_read(
+            conn,
+            pg.START_MANY,
+            {"off": 0.0, "owner": "w2", "ttl": 30.0, "ids": named, "tenants": ["t1"] * 16},
+        )
+        committed = _rows_read(
+            conn,
+            pg.COMMIT_MANY,
+            {
+                "off": 0.0,
+                "ids": [lease.work_item_id for lease in leases],
+                "tenants": [lease.tenant for lease in leases],
+                "owners": [lease.owner for lease in leases],
+                "epochs": [lease.lease_epoch for lease in leases],
+                "tokens": [lease.fencing_token for lease in leases],
+                "states": ["succeeded"] * 16,
+                "outcomes": ["succeeded"] * 16,
+                "errors": [None] * 16,
+            },
+        )
+    # About 4 per named row (find and lock, then update by primary key); 4,000 active items or
+    # 300 live leases would show here in the hundreds.
+    assert started <= 100, f"start_many read {started} work-item rows for a batch of 16"
+    assert committed <= 100, f"commit_many read {committed} work-item rows for a batch of 16"
