@@ -270,14 +270,16 @@ WITH ins AS (
 )
 SELECT * FROM ins
 """
+# Array parameters go in binary (``%(x)b``): psycopg's text array dumper quotes every element
+# with a regular expression, about a fifth of a batch submitter's CPU.
 # A batch of ready items without dependencies in one statement (``submit_many_in_transaction``):
 # a request whose id or idempotency key exists already (or earlier in the batch) is not returned.
 INSERT_MANY: Final = f"""
 WITH input AS (
-    SELECT * FROM unnest(%(ids)s::text[], %(tenants)s::text[], %(kinds)s::text[], %(queues)s::text[],
-                         %(sessions)s::text[], %(priorities)s::integer[], %(deadlines)s::timestamptz[],
-                         %(max_attempts)s::integer[], %(keys)s::text[], %(groups)s::text[],
-                         %(payloads)s::bytea[], %(digests)s::bytea[])
+    SELECT * FROM unnest(%(ids)b::text[], %(tenants)b::text[], %(kinds)b::text[], %(queues)b::text[],
+                         %(sessions)b::text[], %(priorities)b::integer[], %(deadlines)b::timestamptz[],
+                         %(max_attempts)b::integer[], %(keys)b::text[], %(groups)b::text[],
+                         %(payloads)b::bytea[], %(digests)b::bytea[])
            WITH ORDINALITY AS u(id, tenant, kind, queue, session_id, priority, deadline, max_attempts,
                                 idempotency_key, fairness_group, payload, payload_digest, ord)
 ), ins AS (
@@ -297,7 +299,7 @@ WITH input AS (
 SELECT * FROM ins
 """
 INSERT_DEPENDENCIES: Final = (
-    f"INSERT INTO {DEPS} (dependency, dependent) SELECT unnest(%(deps)s::text[]), %(id)s"
+    f"INSERT INTO {DEPS} (dependency, dependent) SELECT unnest(%(deps)b::text[]), %(id)s"
 )
 
 # Lease the candidate, or dead-letter it when another attempt would exceed its maximum.
@@ -324,7 +326,7 @@ def _take_sql(leased: str = "leased", returning: str = "", *, named: bool = Fals
         error = CASE WHEN {_FRESH} THEN w.error
                 ELSE 'attempts exhausted (' || w.attempt || ' of ' || w.max_attempts || ')' END,
         updated_at = {NOW}
-    FROM cand WHERE w.id = cand.cid AND cand.simple{" AND w.id = ANY(%(ids)s::text[])" if named else ""}
+    FROM cand WHERE w.id = cand.cid AND cand.simple{" AND w.id = ANY(%(ids)b::text[])" if named else ""}
     RETURNING {RETURN_W}, cand.prev_state, cand.prev_owner{returning}
 """
 
@@ -410,7 +412,7 @@ SELECT * FROM upd
 START_MANY: Final = f"""
 WITH cand AS (
     SELECT w.id AS cid, w.state AS prev_state, w.lease_owner AS prev_owner, true AS simple
-    FROM unnest(%(ids)s::text[], %(tenants)s::text[]) AS req(rid, rtenant)
+    FROM unnest(%(ids)b::text[], %(tenants)b::text[]) AS req(rid, rtenant)
     CROSS JOIN LATERAL (
         SELECT id, state, lease_owner FROM {T}
         WHERE id = req.rid AND tenant = req.rtenant AND {_CLAIMABLE} AND attempt < max_attempts
@@ -430,8 +432,8 @@ RENEW: Final = (
 
 #: commit_many's requests, one row per lease; ``_column`` names its columns.
 COMMIT_BATCH: Final = (
-    "unnest(%(ids)s::text[], %(tenants)s::text[], %(owners)s::text[], %(epochs)s::bigint[],"
-    " %(tokens)s::bigint[], %(states)s::text[], %(outcomes)s::text[], %(errors)s::text[])"
+    "unnest(%(ids)b::text[], %(tenants)b::text[], %(owners)b::text[], %(epochs)b::bigint[],"
+    " %(tokens)b::bigint[], %(states)b::text[], %(outcomes)b::text[], %(errors)b::text[])"
     " AS c(c_id, c_tenant, c_owner, c_epoch, c_token, c_state, c_outcome, c_error)"
 )
 
@@ -449,7 +451,7 @@ def commit_sql(extra: str = "", *, batch: bool = False) -> str:
         SELECT c.*, w.wid FROM {COMMIT_BATCH}
         CROSS JOIN LATERAL (SELECT id AS wid FROM {T} WHERE {fence_sql(arg)}{extra} FOR UPDATE) AS w
     ) AS c
-    WHERE id = c.wid AND id = ANY(%(ids)s::text[])"""
+    WHERE id = c.wid AND id = ANY(%(ids)b::text[])"""
         if batch
         else f"\n    WHERE {fence_sql(arg)}{extra}"
     )

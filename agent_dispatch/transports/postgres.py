@@ -362,8 +362,8 @@ class PostgresTransport:
         try:
             with conn.cursor(row_factory=tuple_row) as cur:
                 cur.execute(
-                    "SELECT agent_dispatch_queue_admit(%s::text[], %s::text[], %s::bytea[], %s::bytea[], "
-                    "%s::integer[], %s::timestamptz[], %s::timestamptz[], %s::bytea[], %s::bigint)",
+                    "SELECT agent_dispatch_queue_admit(%b::text[], %b::text[], %b::bytea[], %b::bytea[], "
+                    "%b::integer[], %b::timestamptz[], %b::timestamptz[], %b::bytea[], %s::bigint)",
                     (
                         [t.work_item_id for t in turns],
                         [t.session_id for t in turns],
@@ -548,7 +548,7 @@ class PostgresTransport:
         def run() -> set[int]:
             with self._conn() as conn:
                 rows = conn.execute(
-                    "SELECT agent_dispatch_queue_ack(%s::bigint[], %s::text[], %s::uuid[], %s::timestamptz[])",
+                    "SELECT agent_dispatch_queue_ack(%b::bigint[], %b::text[], %b::uuid[], %b::timestamptz[])",
                     (
                         [c.row_id for _, c in valid],
                         [r.owner for r, _ in valid],

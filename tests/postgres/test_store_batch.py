@@ -6,14 +6,18 @@ the contract suite; these are the properties only the PostgreSQL statements have
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from agent_dispatch.models import Outcome, SubmitRequest, WorkState
+from agent_dispatch.models import Outcome, SubmitRequest, SubmitResult, WorkState
 from agent_dispatch.store import StartedTurn
 from agent_dispatch.stores import postgres as pg
 from agent_dispatch.stores.postgres import PostgresStore
@@ -128,3 +132,71 @@ def test_batch_statements_read_only_the_rows_they_name_whatever_the_queue_holds(
     # 300 live leases would show here in the hundreds.
     assert started <= 100, f"start_many read {started} work-item rows for a batch of 16"
     assert committed <= 100, f"commit_many read {committed} work-item rows for a batch of 16"
+
+
+# Text that array literals must quote or escape: quotes, backslashes, braces, commas, spaces,
+# the word NULL, non-ASCII. The batch statements send arrays in binary; this pins that every such
+# value goes in and comes back unchanged (NUL is refused by PostgreSQL's text type itself).
+_awkward_text = st.one_of(
+    st.sampled_from(['a"b', "a\\b", "{x}", "a,b", " lead", "NULL", "null", "é—☃", "'", "\t"]),
+    st.text(
+        st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=24
+    ),
+).filter(lambda s: bool(s.strip()))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.lists(
+        st.tuples(
+            _awkward_text,
+            _awkward_text,
+            st.one_of(st.none(), _awkward_text),
+            st.one_of(st.none(), _awkward_text),
+            st.binary(max_size=64),
+            st.integers(-(2**31) + 1, 2**31 - 1),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    error=_awkward_text,
+)
+def test_batches_round_trip_awkward_values(store: PostgresStore, rows: list[Any], error: str) -> None:
+    deadline = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    requests = [
+        SubmitRequest(
+            tenant=tenant,
+            kind=kind,
+            payload=payload,
+            session_id=session,
+            fairness_group=group,
+            priority=priority,
+            deadline=deadline if with_deadline else None,
+            idempotency_key=f"{uuid.uuid4()}{kind}",
+        )
+        for tenant, kind, session, group, payload, priority, with_deadline in rows
+    ]
+    results = store.submit_many_in_transaction(requests, lambda conn, items: None)
+    assert all(isinstance(r, SubmitResult) and r.created for r in results), results
+    items = [r.item for r in results if isinstance(r, SubmitResult)]
+    for request, item in zip(requests, items, strict=True):
+        stored = store.get(item.id)
+        assert (stored.tenant, stored.kind, stored.fairness_group, stored.priority) == (
+            request.tenant,
+            request.kind,
+            request.fairness_group,
+            request.priority,
+        )
+        assert stored.session_id == (request.session_id or item.id)
+        assert stored.deadline == request.deadline
+        assert stored.idempotency_key == request.idempotency_key
+        assert store.get_payload(item.id, tenant=request.tenant) == request.payload
+    started = store.start_many('w"{1}', [(item.id, item.tenant) for item in items])
+    assert {item_id: turn.payload for item_id, turn in started.items()} == {
+        item.id: request.payload for request, item in zip(requests, items, strict=True)
+    }
+    committed = store.commit_many([(turn.lease, Outcome.FAILED, error) for turn in started.values()])
+    assert {item_id: (c.state, c.error) for item_id, c in committed.items()} == {
+        item.id: (WorkState.FAILED, error) for item in items
+    }
