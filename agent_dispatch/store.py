@@ -1,5 +1,8 @@
 """The WorkItem authority: one small Protocol, implementations in ``agent_dispatch.stores``.
 
+Beside it, the optional capabilities a store may have (:class:`TransactionalSubmit`,
+:class:`BatchSubmit`), each a Protocol of its own: the enqueue path picks its admission
+strategy from them once per store/transport pair (``agent_dispatch.dispatch.choose_admission``).
 Every implementation obeys ``tests/contract/test_store_contract.py``. The logic that does not
 depend on the database (validation, backoff, bounding error text) lives here, once.
 """
@@ -7,12 +10,12 @@ depend on the database (validation, backoff, bounding error text) lives here, on
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Final, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
-from agent_dispatch.errors import PayloadTooLarge
+from agent_dispatch.errors import DispatchError, PayloadTooLarge
 from agent_dispatch.models import (
     CommitResult,
     Lease,
@@ -154,6 +157,46 @@ class WorkItemStore(Protocol):
         """Take (or keep) single-leader election for ``name``, e.g. the recovery sweep."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class TransactionalSubmit(Protocol):
+    """A store that runs a caller's step inside its submit transaction (SQLite, PostgreSQL).
+
+    With a queue in the same database (equal :attr:`database_identity`), submit and admission
+    are one transaction: a refused admission rolls the WorkItem back with it.
+    """
+
+    @property
+    def database_identity(self) -> str:
+        """Which database this store writes; equal identities mean one transaction can span both."""
+
+    def submit_in_transaction(
+        self, request: SubmitRequest, then: Callable[[Any, WorkItem], None], *, dispatched: bool = False
+    ) -> SubmitResult:
+        """``submit``, then ``then(conn, item)`` for a newly created item in the SAME transaction.
+
+        ``dispatched``: ``then`` admits every created ``ready`` item, so the insert stamps its
+        dispatch time. If ``then`` raises, nothing of the submit is kept.
+        """
+
+
+@runtime_checkable
+class BatchSubmit(Protocol):
+    """A store that submits a whole batch in one transaction (and runs a caller's step in it)."""
+
+    def submit_many_in_transaction(
+        self,
+        requests: Sequence[SubmitRequest],
+        then: Callable[[Any, list[WorkItem]], None],
+        *,
+        dispatched: bool = False,
+    ) -> list[SubmitResult | DispatchError]:
+        """``submit`` for each request in ONE transaction, then ``then(conn, created_items)`` in it.
+
+        Each request gets its own outcome, in order. A ``DispatchError`` of the batch as a whole
+        (raised by ``then``, or a failed transaction) keeps nothing and propagates.
+        """
 
 
 def check_payload(payload: bytes, limit: int) -> None:

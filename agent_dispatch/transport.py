@@ -1,6 +1,10 @@
 """How turns travel to workers: one small Protocol, implementations in ``agent_dispatch.transports``.
 
-Every implementation obeys ``tests/contract/test_transport_contract.py``. A transport carries
+Beside it, the optional capabilities a transport may have, each a Protocol of its own:
+:class:`AckMany` (acknowledge a batch at once), :class:`AdmitOnConnection` (admit inside the
+WorkItem store's transaction when both share one database) and :class:`Reserving` (hold room
+under the bound before the WorkItems exist). Every implementation obeys
+``tests/contract/test_transport_contract.py``, capabilities included. A transport carries
 signed envelope bytes (see :mod:`agent_dispatch.envelope`); it never interprets them beyond the
 routing keys it is handed, and it never decides a WorkItem's fate.
 """
@@ -9,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from agent_dispatch.settings import Backend
 
@@ -47,7 +51,18 @@ class Delivery:
 
 @runtime_checkable
 class Transport(Protocol):
-    backend: Backend
+    """Carries turns to workers.
+
+    The database queues (and the in-process memory transport) also schedule: a turn is not
+    handed out before its ``not_before``; claims take expired deadlines first, then higher
+    priority, then earlier deadline, then admission order. Kafka orders within a session only
+    (the partition key) and leaves a turn that is not due yet to the worker, which releases it
+    with the remaining delay.
+    """
+
+    @property
+    def backend(self) -> Backend | None:
+        """The ``TASK_QUEUE_BACKEND`` this implements; None for a transport settings cannot select."""
 
     def ensure_ready(self) -> None:
         """Connect, create what is missing (table, topic), or raise ``BackendUnavailable`` naming the backend."""
@@ -73,3 +88,50 @@ class Transport(Protocol):
         """Accepted, not yet acknowledged turns; ``DepthUnavailable`` when it cannot be measured."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class AckMany(Protocol):
+    """A transport that acknowledges a batch of deliveries in one round trip."""
+
+    def ack_many(self, receipts: Sequence[Receipt]) -> list[Receipt]:
+        """Acknowledge every receipt it can; return those refused as stale or foreign (never raises ``Fenced``)."""
+
+
+@runtime_checkable
+class AdmitOnConnection(Protocol):
+    """A transport that admits on the WorkItem store's connection, inside its open transaction."""
+
+    @property
+    def database_identity(self) -> str:
+        """Which database the queue lives in; compared with the store's ``database_identity``."""
+
+    def admit_on(self, conn: Any, turns: Sequence[OutboundTurn], *, bounded: bool = True) -> int:
+        """``admit`` inside the caller's transaction on ``conn``; returns the rows inserted.
+
+        ``QueueFull`` propagates (the caller rolls back); a turn that already has a queued
+        delivery is skipped, never queued twice.
+        """
+
+
+@runtime_checkable
+class Reservation(Protocol):
+    """Room under the bound, held for turns not admitted yet (counted as queued until then)."""
+
+    @property
+    def remaining(self) -> int: ...
+
+    def admit(self, turns: Sequence[OutboundTurn]) -> None:
+        """Place ``turns`` in the reserved room (no bound check); more than ``remaining`` is a bug."""
+
+    def release(self) -> None:
+        """Give back the room not admitted (idempotent)."""
+
+
+@runtime_checkable
+class Reserving(Protocol):
+    """A transport that can reserve room under the bound before the WorkItems exist (Kafka)."""
+
+    def reserve(self, count: int, *, partial: bool = False) -> Reservation:
+        """Hold room for ``count`` turns (``partial``: as many as fit, at least one), or raise
+        ``QueueFull`` / ``DepthUnavailable``."""

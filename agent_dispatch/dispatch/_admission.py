@@ -1,0 +1,305 @@
+"""The three admission strategies, and the choice between them (made once per store/transport pair).
+
+- :class:`OneTransaction`: the queue lives in the WorkItem store's database (PostgreSQL, or the
+  SQLite file). Submit and admit run in ONE transaction, so a refusal keeps nothing.
+- :class:`Reserved`: the transport reserves room under the bound before the WorkItem exists
+  (Kafka), so a refusal comes before anything is stored.
+- :class:`AfterSubmit`: anything else (a queue in another database: test layouts only). A refusal
+  after the submit cancels the WorkItem with the reason, and that key is spent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from agent_dispatch.dispatch._turns import (
+    REFUSALS,
+    Outcomes,
+    admittable,
+    answer_refused,
+    build_turn,
+    cancel_unadmitted,
+    check_envelope_fields,
+    mark_dispatched,
+    precheck,
+    replay_or_error,
+    replay_or_raise,
+    sealable,
+    settled,
+    submit_each,
+)
+from agent_dispatch.errors import DispatchError, QueueFull
+from agent_dispatch.models import SubmitRequest, SubmitResult, WorkItem
+from agent_dispatch.settings import Settings
+from agent_dispatch.store import BatchSubmit, TransactionalSubmit, WorkItemStore
+from agent_dispatch.transport import AdmitOnConnection, OutboundTurn, Reservation, Reserving, Transport
+
+
+class Admission(Protocol):
+    """Admits turns for one store/transport pair; see :mod:`agent_dispatch.dispatch`."""
+
+    def enqueue(self, request: SubmitRequest) -> SubmitResult:
+        """Admit one turn. A replayed request returns the existing item and admits nothing."""
+
+    def enqueue_many(self, requests: Sequence[SubmitRequest]) -> Outcomes:
+        """Admit a batch; every request gets its own outcome, in order (one refusal hides no other)."""
+
+
+class _Strategy:
+    def __init__(
+        self, store: WorkItemStore, transport: Transport, *, signing_key: bytes, settings: Settings
+    ) -> None:
+        self.store = store
+        self.transport = transport
+        self.signing_key = signing_key
+        self.settings = settings
+
+    def _turns(self, items: Sequence[WorkItem]) -> list[OutboundTurn]:
+        return [build_turn(item, signing_key=self.signing_key) for item in items]
+
+    def _admit_after_submit(self, items: Sequence[WorkItem], reservation: Reservation | None = None) -> None:
+        """Admit stored ``items`` (in ``reservation`` if given, else under the bound), or raise.
+
+        A refusal cancels them with the reason (a refused turn must never run). Any other failure
+        (the broker did not confirm, the queue's database failed) leaves them ready and
+        undispatched for the recovery sweep: they may have been enqueued already, and a retry
+        with the same idempotency key must find them rather than a cancelled item.
+        """
+        if not items:
+            return
+        turns = self._turns(items)
+        try:
+            if reservation is not None:
+                reservation.admit(turns)
+            else:
+                self.transport.admit(turns, bounded=True)
+        except REFUSALS as exc:
+            cancel_unadmitted(self.store, items, exc)
+            raise
+
+    def _submit_and_admit(
+        self, request: SubmitRequest, reservation: Reservation | None = None
+    ) -> SubmitResult:
+        result = self.store.submit(request)
+        if not (result.created and admittable(result.item)):
+            return result
+        self._admit_after_submit([result.item], reservation)
+        mark_dispatched(self.store, [result.item.id])
+        return result
+
+
+class OneTransaction(_Strategy):
+    """Submit and admit in one transaction of the database the store and the queue share."""
+
+    def __init__(
+        self, store: WorkItemStore, transport: Transport, *, signing_key: bytes, settings: Settings
+    ) -> None:
+        if not shares_database(store, transport):
+            raise TypeError("OneTransaction needs a store and a transport in one database")
+        assert isinstance(store, TransactionalSubmit) and isinstance(transport, AdmitOnConnection)
+        super().__init__(store, transport, signing_key=signing_key, settings=settings)
+        self._submitter = store
+        self._queue = transport
+        self._batch = store if isinstance(store, BatchSubmit) else None
+
+    def enqueue(self, request: SubmitRequest) -> SubmitResult:
+        check_envelope_fields(request)
+        try:
+            precheck(self.transport, self.settings)
+        except REFUSALS as exc:
+            return replay_or_raise(self.store, request, exc)
+        return self._one(request)
+
+    def _one(self, request: SubmitRequest) -> SubmitResult:
+        def admit_in_submit(conn: Any, item: WorkItem) -> None:
+            if admittable(item):
+                self._queue.admit_on(conn, self._turns([item]), bounded=True)
+
+        # The admission runs in the submit's transaction: the insert stamps the dispatch time.
+        return self._submitter.submit_in_transaction(request, admit_in_submit, dispatched=True)
+
+    def enqueue_many(self, requests: Sequence[SubmitRequest]) -> Outcomes:
+        try:
+            precheck(self.transport, self.settings)
+        except REFUSALS as exc:
+            return [answer_refused(self.store, request, exc) for request in requests]
+        if self._batch is not None and not any(r.depends_on for r in requests):
+            try:
+                return self._all_at_once(self._batch, requests)
+            except DispatchError:
+                # Nothing of the batch was kept. Room for only some (QueueFull), or a failure of the
+                # whole transaction: one by one below, so each request gets its own answer.
+                pass
+        outcomes: Outcomes = []
+        for request in requests:
+            try:
+                check_envelope_fields(request)
+                outcomes.append(self._one(request))
+            except DispatchError as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    def _all_at_once(self, store: BatchSubmit, requests: Sequence[SubmitRequest]) -> Outcomes:
+        """Every submit, then one bounded admission of the new items, in one transaction.
+
+        A ``DispatchError`` of the batch as a whole (``QueueFull``: it does not fit under the bound)
+        rolls everything back and propagates, so the caller can fall back to one at a time.
+        """
+        outcomes: list[SubmitResult | DispatchError | None] = [None] * len(requests)
+        valid = sealable(requests, outcomes)
+
+        def admit_all(conn: Any, items: list[WorkItem]) -> None:
+            turns = self._turns([item for item in items if admittable(item)])
+            if turns:
+                self._queue.admit_on(conn, turns, bounded=True)
+
+        # The admission runs in the same transaction: the insert stamps the dispatch time.
+        results = store.submit_many_in_transaction([requests[i] for i in valid], admit_all, dispatched=True)
+        for index, result in zip(valid, results, strict=True):
+            outcomes[index] = result
+        return settled(outcomes)
+
+
+class Reserved(_Strategy):
+    """Reserve room first (Kafka), so a refusal comes before anything is stored."""
+
+    def __init__(
+        self, store: WorkItemStore, transport: Transport, *, signing_key: bytes, settings: Settings
+    ) -> None:
+        if not isinstance(transport, Reserving):
+            raise TypeError("Reserved needs a transport that can reserve room")
+        super().__init__(store, transport, signing_key=signing_key, settings=settings)
+        self._reserving = transport
+
+    def enqueue(self, request: SubmitRequest) -> SubmitResult:
+        check_envelope_fields(request)
+        try:
+            reservation = self._reserving.reserve(1)
+        except REFUSALS as exc:
+            return replay_or_raise(self.store, request, exc)
+        try:
+            return self._submit_and_admit(request, reservation)
+        finally:
+            reservation.release()
+
+    def enqueue_many(self, requests: Sequence[SubmitRequest]) -> Outcomes:
+        """As much room as there is for the batch is reserved first; requests are submitted in
+        order (a batch per store transaction) while room is left (a replay takes none); the rest
+        can only be replays, else they get ``QueueFull`` with nothing stored. The new items are
+        then produced in one batch in the reserved room, and what is left of it is released.
+        """
+        outcomes: list[SubmitResult | DispatchError | None] = [None] * len(requests)
+        valid = sealable(requests, outcomes)
+        if not valid:
+            return settled(outcomes)
+        try:
+            reservation = self._reserving.reserve(len(valid), partial=True)
+        except REFUSALS as exc:
+            for index in valid:
+                outcomes[index] = replay_or_error(self.store, requests[index], exc)
+            return settled(outcomes)
+        to_mark: list[str] = []
+        try:
+            fresh: list[tuple[int, WorkItem]] = []
+            stamped: set[str] = set()  # dispatch time already stamped by the batch insert
+            pending = valid
+            while pending:
+                room = reservation.remaining - len(fresh)
+                if room <= 0:
+                    break
+                take, pending = pending[:room], pending[room:]
+                submitted, stamps = submit_each(self.store, [requests[i] for i in take])
+                for position, result in submitted:
+                    outcomes[take[position]] = result
+                    if isinstance(result, SubmitResult) and result.created and admittable(result.item):
+                        fresh.append((take[position], result.item))
+                        if stamps:
+                            stamped.add(result.item.id)
+            full = QueueFull(f"no room left under the depth bound {self.settings.max_depth} in this batch")
+            for index in pending:
+                outcomes[index] = replay_or_error(self.store, requests[index], full)
+            items = [item for _, item in fresh]
+            try:
+                reservation.admit(self._turns(items))
+                to_mark = [item.id for item in items if item.id not in stamped]
+            except DispatchError as exc:
+                # The broker did not confirm them: left ready for the recovery sweep to re-drive.
+                for index, _ in fresh:
+                    outcomes[index] = exc
+        finally:
+            reservation.release()
+        mark_dispatched(self.store, to_mark)
+        return settled(outcomes)
+
+
+class AfterSubmit(_Strategy):
+    """Submit, then admit under the bound; a refusal cancels what the submit stored."""
+
+    def enqueue(self, request: SubmitRequest) -> SubmitResult:
+        check_envelope_fields(request)
+        try:
+            precheck(self.transport, self.settings)
+        except REFUSALS as exc:
+            return replay_or_raise(self.store, request, exc)
+        return self._submit_and_admit(request)
+
+    def enqueue_many(self, requests: Sequence[SubmitRequest]) -> Outcomes:
+        """Admission is one batch; when the bound leaves room for only some, as many as fit are
+        accepted, one by one, and the rest get ``QueueFull``. The bound is never exceeded."""
+        try:
+            precheck(self.transport, self.settings)
+        except REFUSALS as exc:
+            return [answer_refused(self.store, request, exc) for request in requests]
+        outcomes: list[SubmitResult | DispatchError | None] = [None] * len(requests)
+        fresh: list[tuple[int, WorkItem]] = []
+        submitted, stamped = submit_each(self.store, requests)
+        for index, result in submitted:
+            outcomes[index] = result
+            if isinstance(result, SubmitResult) and result.created and admittable(result.item):
+                fresh.append((index, result.item))
+        items = [item for _, item in fresh]
+        try:
+            if items:
+                self.transport.admit(self._turns(items), bounded=True)
+            admitted = [item.id for item in items]
+        except QueueFull:
+            # Room for some but not all: admit one at a time so each gets its own answer.
+            admitted = []
+            for index, item in fresh:
+                try:
+                    self._admit_after_submit([item])
+                    admitted.append(item.id)
+                except DispatchError as exc:
+                    outcomes[index] = exc
+        except BaseException as exc:
+            if isinstance(exc, REFUSALS):
+                cancel_unadmitted(self.store, items, exc)
+            if not isinstance(exc, DispatchError):
+                raise
+            admitted = []
+            for index, _ in fresh:
+                outcomes[index] = exc
+        if not stamped:
+            mark_dispatched(self.store, admitted)
+        return settled(outcomes)
+
+
+def shares_database(store: WorkItemStore, transport: Transport) -> bool:
+    """Whether one transaction can span the store's submit and the transport's admission."""
+    return (
+        isinstance(store, TransactionalSubmit)
+        and isinstance(transport, AdmitOnConnection)
+        and store.database_identity == transport.database_identity
+    )
+
+
+def choose_admission(
+    store: WorkItemStore, transport: Transport, *, signing_key: bytes, settings: Settings
+) -> Admission:
+    """The strategy for this pair, from the capabilities the two implement (see the module docstring)."""
+    if shares_database(store, transport):
+        return OneTransaction(store, transport, signing_key=signing_key, settings=settings)
+    if isinstance(transport, Reserving):
+        return Reserved(store, transport, signing_key=signing_key, settings=settings)
+    return AfterSubmit(store, transport, signing_key=signing_key, settings=settings)
