@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # One image for every agent-dispatch process: the command picks which one runs.
 #   agent-dispatch-operator          the Kubernetes operator (the Helm chart runs this)
 #   agent-dispatch-worker            a worker (the operator's worker Deployments run this)
@@ -7,13 +6,19 @@
 #
 # Build:  docker build -t agent-dispatch:0.1.0 .
 # The base image is pinned by version and referenced by name only, so it comes from whatever
-# registry (or mirror) your container engine is configured with.
+# registry (or mirror) your container engine is configured with. BASE_IMAGE swaps it for any
+# image with python3 and venv (the tests use a Debian bookworm image made by mmdebstrap), and
+# WHEELHOUSE names a directory of the build context holding every dependency as a wheel, for a
+# build with no network at all (docker build --network=none; see testenv/image.py).
+# No "syntax" directive: the classic builder and BuildKit both build it without fetching a frontend.
 
 ARG PYTHON_VERSION=3.11.13
+ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim-bookworm
 
 # ---- builder: build the wheel and install it with its dependencies into a virtualenv ----------
-FROM python:${PYTHON_VERSION}-slim-bookworm AS builder
+FROM ${BASE_IMAGE} AS builder
 
+ARG WHEELHOUSE=""
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
@@ -21,13 +26,16 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY agent_dispatch ./agent_dispatch
-COPY docker/install.sh /usr/local/bin/agent-dispatch-install
-# The same script tests/image/test_install.py runs into a clean virtualenv.
-RUN sh /usr/local/bin/agent-dispatch-install /src /opt/agent-dispatch
+COPY docker/install.sh ./docker/
+COPY docker/wheelhouse/ ./docker/wheelhouse/
+# The same script tests/deploy/test_dockerfile.py runs into a clean virtualenv (WHEELHOUSE, a
+# build argument, reaches it as an environment variable).
+RUN sh docker/install.sh /src /opt/agent-dispatch
 
 # ---- runtime: the virtualenv on the same slim base, no compiler, no pip, non-root ---------------
-FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
+FROM ${BASE_IMAGE} AS runtime
 
+ARG BASE_IMAGE
 ARG VERSION=0.1.0
 ARG REVISION=unknown
 ARG CREATED=unknown
@@ -39,11 +47,12 @@ LABEL org.opencontainers.image.title="agent-dispatch" \
       org.opencontainers.image.created="${CREATED}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.vendor="agent-dispatch" \
-      org.opencontainers.image.base.name="python:${PYTHON_VERSION}-slim-bookworm"
+      org.opencontainers.image.base.name="${BASE_IMAGE}"
 
-# The base image's own pip, setuptools and wheel go too: nothing in the image can build or
-# install packages. The numeric user matches runAsUser in the chart and the operator's pods.
-RUN python -m pip uninstall --yes --quiet pip setuptools wheel \
+# The base image's own pip, setuptools and wheel go too (when it has them: Debian's python3
+# has none): nothing in the image can build or install packages. The numeric user matches
+# runAsUser in the chart and the operator's pods.
+RUN if python -m pip --version >/dev/null 2>&1; then python -m pip uninstall --yes --quiet pip setuptools wheel; fi \
     && groupadd --system --gid 10001 agent-dispatch \
     && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home \
        --shell /usr/sbin/nologin agent-dispatch \

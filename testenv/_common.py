@@ -88,6 +88,65 @@ def run_logged(
         raise ServiceUnavailable(f"{' '.join(map(str, cmd[:3]))} exited {proc.returncode}\n{log_tail(log)}")
 
 
+APT_TIMEOUT_S = 900
+
+
+def apt_get(args: Sequence[str], log: Path) -> None:
+    """Run apt-get non-interactively, logging to ``log``; raise ServiceUnavailable with the tail."""
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    # Another process (a colleague's install, unattended upgrades) may hold the dpkg lock: wait for it.
+    cmd = ["apt-get", "-o", "DPkg::Lock::Timeout=300", *args]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n".encode())
+        out.flush()
+        try:
+            proc = subprocess.run(
+                cmd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                timeout=APT_TIMEOUT_S,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ServiceUnavailable(f"apt-get {args[0]} failed: {exc}\n{log_tail(log)}") from exc
+    if proc.returncode != 0:
+        raise ServiceUnavailable(f"apt-get {' '.join(args)} exited {proc.returncode}\n{log_tail(log)}")
+
+
+def apt_install(packages: Sequence[str], log: Path) -> None:
+    """Install Debian packages (once per machine; needs root)."""
+    if os.geteuid() != 0:
+        raise ServiceUnavailable(f"{', '.join(packages)} not installed and installing needs root (apt-get)")
+    progress(f"installing {', '.join(packages)} with apt-get (once per machine)")
+    apt_get(["update"], log)
+    apt_get(["install", "-y", "--no-install-recommends", *packages], log)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, timeout: float) -> Iterator[None]:
+    """Serialise work across processes (parallel pytest sessions, .ci/run) without waiting forever."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ServiceUnavailable(f"another process held {path} for {timeout:.0f}s") from None
+                time.sleep(1)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def wait_until(
     check: Callable[[], bool],
     *,

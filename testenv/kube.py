@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime as dt
-import fcntl
 import ipaddress
 import json
 import os
@@ -23,19 +21,16 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from testenv._common import (
     ServiceUnavailable,
     cache_dir,
+    file_lock,
     free_port,
     go_env,
     log_tail,
@@ -44,10 +39,12 @@ from testenv._common import (
     stop_process,
     wait_until,
 )
+from testenv.pki import CertificateAuthority, signing_key_pair
 
 KUBERNETES_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.7.3"
 KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kubectl")
+NODE_BINARIES = ("kubelet", "kube-scheduler", "kube-proxy")
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
 
 # A cold build of the Kubernetes binaries takes tens of minutes on two cores; a warm one seconds.
@@ -69,26 +66,6 @@ CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
 def bin_path(name: str, version: str) -> Path:
     """Where the cached binary ``name`` at ``version`` lives (the directory is keyed by version)."""
     return cache_dir("bin", f"{name}-{version}") / name
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path, timeout: float) -> Iterator[None]:
-    """Serialise builds across processes (parallel pytest sessions, .ci/run) without waiting forever."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ServiceUnavailable(f"another process held {path} for {timeout:.0f}s") from None
-                time.sleep(1)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _download_module(module: str, version: str, *, env: Mapping[str, str], log: Path) -> dict[str, Any]:
@@ -143,7 +120,7 @@ def build_go_programs(
     directory and renamed into place, so a half-written binary is never taken for a cached one.
     """
     build_root = cache_dir("build")
-    with _file_lock(build_root / f"{key}.lock", BUILD_TIMEOUT_S + 600):
+    with file_lock(build_root / f"{key}.lock", BUILD_TIMEOUT_S + 600):
         if all(path.is_file() for path in outputs.values()):
             return
         module_dir = cache_dir("build", key)
@@ -251,9 +228,11 @@ def _ensure_etcd() -> Path:
     return out
 
 
-def _ensure_kubernetes() -> dict[str, Path]:
-    outputs = {name: bin_path(name, KUBERNETES_VERSION) for name in KUBE_BINARIES}
-    if all(path.is_file() for path in outputs.values()):
+def ensure_kubernetes(names: Sequence[str] = KUBE_BINARIES) -> dict[str, Path]:
+    """Build (once) the named programs of k8s.io/kubernetes; only the missing ones are built."""
+    outputs = {name: bin_path(name, KUBERNETES_VERSION) for name in names}
+    missing = {name: path for name, path in outputs.items() if not path.is_file()}
+    if not missing:
         return outputs
     key = f"kubernetes-{KUBERNETES_VERSION}"
     # The replace lines depend on k8s.io/kubernetes' own go.mod, so fetch that first.
@@ -267,9 +246,9 @@ def _ensure_kubernetes() -> dict[str, Path]:
         key=key,
         module="k8s.io/kubernetes",
         version=KUBERNETES_VERSION,
-        programs={name: f"k8s.io/kubernetes/cmd/{name}" for name in KUBE_BINARIES},
+        programs={name: f"k8s.io/kubernetes/cmd/{name}" for name in missing},
         ldflags=_kubernetes_ldflags(KUBERNETES_VERSION, Path(info["Info"])),
-        outputs=outputs,
+        outputs=missing,
         extra_go_mod="\n" + replaces,
     )
     return outputs
@@ -278,7 +257,7 @@ def _ensure_kubernetes() -> dict[str, Path]:
 def ensure_built() -> dict[str, Path]:
     """Build (once) and return etcd, kube-apiserver, kube-controller-manager and kubectl."""
     binaries = {"etcd": _ensure_etcd()}
-    binaries.update(_ensure_kubernetes())
+    binaries.update(ensure_kubernetes())
     return binaries
 
 
@@ -287,102 +266,23 @@ def ensure_built() -> dict[str, Path]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _write_pem(path: Path, data: bytes) -> None:
-    path.write_bytes(data)
-    path.chmod(0o600)
-
-
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-def _certificate(
-    subject: str,
-    key: ec.EllipticCurvePrivateKey,
-    *,
-    issuer: x509.Name | None,
-    issuer_key: ec.EllipticCurvePrivateKey,
-    ca: bool,
-    sans: Sequence[x509.GeneralName] = (),
-) -> x509.Certificate:
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    now = dt.datetime.now(dt.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(issuer or name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=30))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if ca:
-        builder = builder.add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-    else:
-        builder = builder.add_extension(
-            x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
-        )
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _generate_pki(pki: Path) -> None:
-    """A throwaway CA, the apiserver's serving certificate and the service-account signing key.
-
-    ECDSA P-256 keys: generated instantly, and accepted by kube-apiserver for TLS and for ES256
-    service-account tokens.
-    """
+def _generate_pki(pki: Path, *, addresses: Sequence[str] = ("127.0.0.1",)) -> CertificateAuthority:
+    """A throwaway CA, the apiserver's serving certificate and the service-account signing key."""
     pki.mkdir(parents=True, exist_ok=True)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = _certificate("agent-dispatch-test-ca", ca_key, issuer=None, issuer_key=ca_key, ca=True)
-    service_ip = next(ipaddress.IPv4Network(SERVICE_CLUSTER_IP_RANGE).hosts())
-    sans: list[x509.GeneralName] = [
-        x509.IPAddress(ipaddress.IPv4Address("127.0.0.1")),
-        x509.IPAddress(service_ip),
-        *(
-            x509.DNSName(name)
-            for name in (
-                "localhost",
-                "kubernetes",
-                "kubernetes.default",
-                "kubernetes.default.svc",
-                "kubernetes.default.svc.cluster.local",
-            )
-        ),
+    ca = CertificateAuthority(pki, "ca")
+    service_ip = str(next(ipaddress.IPv4Network(SERVICE_CLUSTER_IP_RANGE).hosts()))
+    sans = [
+        *addresses,
+        service_ip,
+        "localhost",
+        "kubernetes",
+        "kubernetes.default",
+        "kubernetes.default.svc",
+        "kubernetes.default.svc.cluster.local",
     ]
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server_cert = _certificate(
-        "kube-apiserver", server_key, issuer=ca_cert.subject, issuer_key=ca_key, ca=False, sans=sans
-    )
-    sa_key = ec.generate_private_key(ec.SECP256R1())
-    _write_pem(pki / "ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM))
-    _write_pem(pki / "ca.key", _key_pem(ca_key))
-    _write_pem(pki / "apiserver.crt", server_cert.public_bytes(serialization.Encoding.PEM))
-    _write_pem(pki / "apiserver.key", _key_pem(server_key))
-    _write_pem(pki / "sa.key", _key_pem(sa_key))
-    _write_pem(
-        pki / "sa.pub",
-        sa_key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        ),
-    )
+    ca.issue("apiserver", "kube-apiserver", sans=sans, server=True)
+    signing_key_pair(pki, "sa")
+    return ca
 
 
 def write_kubeconfig(path: Path, *, server: str, ca_file: Path, user: str, token: str) -> Path:
@@ -448,6 +348,9 @@ class ControlPlane:
         self.kubeconfig = self.workdir / "admin.kubeconfig"
         self.token = secrets.token_urlsafe(32)
         self._controller_manager_token = secrets.token_urlsafe(32)
+        self.ca: CertificateAuthority | None = None
+        #: Further component users (user name -> bearer token and groups) for the static token file.
+        self.component_tokens: dict[str, tuple[str, tuple[str, ...]]] = {}
         self.port = 0
         self.server = ""
         self.version = ""
@@ -457,6 +360,16 @@ class ControlPlane:
         self._apiserver: subprocess.Popen[bytes] | None = None
         self._controller_manager: subprocess.Popen[bytes] | None = None
         self._stopped = False
+
+    #: The address kube-apiserver serves on (a subclass on a node serves on the node's address).
+    address = "127.0.0.1"
+
+    def _choose_port(self) -> int:
+        return free_port()
+
+    def _spawn(self, cmd: Sequence[str | os.PathLike[str]], log: Path) -> subprocess.Popen[bytes]:
+        """Start one control-plane process (a subclass may wrap it, e.g. into a network namespace)."""
+        return _spawn(cmd, log)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -481,13 +394,17 @@ class ControlPlane:
         return self
 
     def _prepare_credentials(self) -> None:
-        _generate_pki(self.pki_dir)
+        self.ca = _generate_pki(self.pki_dir, addresses=sorted({self.address, "127.0.0.1"}))
         (self.workdir / "tokens.csv").write_text(
             f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n'
             f"{self._controller_manager_token},{CONTROLLER_MANAGER_USER},{CONTROLLER_MANAGER_USER}\n"
+            + "".join(
+                f'{token},{user},{user},"{",".join(groups)}"\n'
+                for user, (token, groups) in self.component_tokens.items()
+            )
         )
-        self.port = free_port()
-        self.server = f"https://127.0.0.1:{self.port}"
+        self.port = self._choose_port()
+        self.server = f"https://{self.address}:{self.port}"
         write_kubeconfig(
             self.kubeconfig, server=self.server, ca_file=self.ca_file, user=ADMIN_USER, token=self.token
         )
@@ -503,6 +420,11 @@ class ControlPlane:
             shutil.rmtree(self.workdir, ignore_errors=True)
         with contextlib.suppress(Exception):
             atexit.unregister(self.stop)
+
+    def _processes(self) -> list[subprocess.Popen[bytes]]:
+        """The control plane's live processes (their pids go into a node run's state file)."""
+        procs = (self._etcd, self._apiserver, self._controller_manager)
+        return [proc for proc in procs if proc is not None and proc.poll() is None]
 
     def restart_apiserver(self) -> None:
         """Stop kube-apiserver and start it again on the same port against the same etcd (chaos)."""
@@ -525,7 +447,7 @@ class ControlPlane:
         self.etcd_url = f"http://127.0.0.1:{client_port}"
         peer_url = f"http://127.0.0.1:{self._etcd_peer_port}"
         log = self.log_dir / "etcd.log"
-        self._etcd = _spawn(
+        self._etcd = self._spawn(
             [
                 self._bin("etcd"),
                 "--name=agent-dispatch-test",
@@ -580,7 +502,7 @@ class ControlPlane:
 
     def _start_apiserver(self) -> None:
         log = self.log_dir / "kube-apiserver.log"
-        self._apiserver = _spawn(self._apiserver_args(), log)
+        self._apiserver = self._spawn(self._apiserver_args(), log)
         wait_until(
             self._apiserver_ready,
             timeout=APISERVER_READY_TIMEOUT_S,
@@ -625,7 +547,7 @@ class ControlPlane:
 
     # -- kube-controller-manager -------------------------------------------------------------------
 
-    def start_controller_manager(self) -> None:
+    def start_controller_manager(self, extra_args: Sequence[str] = ()) -> None:
         """Start kube-controller-manager (idempotent), so Deployments get ReplicaSets and Pods,
         namespaces get their "default" ServiceAccount and kube-root-ca.crt, and deleted namespaces
         are emptied and removed."""
@@ -641,7 +563,7 @@ class ControlPlane:
         pki = self.pki_dir
         port = free_port()
         log = self.log_dir / "kube-controller-manager.log"
-        self._controller_manager = _spawn(
+        self._controller_manager = self._spawn(
             [
                 self._bin("kube-controller-manager"),
                 f"--kubeconfig={kubeconfig}",
@@ -660,6 +582,7 @@ class ControlPlane:
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 "--profiling=false",
                 "--v=1",
+                *extra_args,
             ],
             log,
         )

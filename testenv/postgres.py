@@ -19,12 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import LiteralString
 
-from testenv._common import LoopbackService, ServiceUnavailable, free_port, log_tail, progress, wait_until
+from testenv._common import (
+    LoopbackService,
+    ServiceUnavailable,
+    apt_get,
+    free_port,
+    log_tail,
+    progress,
+    wait_until,
+)
 
 PG_ROOT = Path("/usr/lib/postgresql")
 TEST_USER = "agentdispatch-test"
 SUPERUSER = "postgres"
-APT_TIMEOUT_S = 900
 START_TIMEOUT_S = 60
 _DBNAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -55,29 +62,6 @@ def _find_bindir() -> Path | None:
     return max(candidates)[1] if candidates else None
 
 
-def _apt_get(args: Sequence[str], log: Path) -> None:
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    # Another process (a colleague's install, unattended upgrades) may hold the dpkg lock: wait for it.
-    cmd = ["apt-get", "-o", "DPkg::Lock::Timeout=300", *args]
-    with log.open("ab") as out:
-        out.write(f"\n$ {' '.join(cmd)}\n".encode())
-        out.flush()
-        try:
-            proc = subprocess.run(
-                cmd,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                timeout=APT_TIMEOUT_S,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise ServiceUnavailable(f"apt-get {args[0]} failed: {exc}\n{log_tail(log)}") from exc
-    if proc.returncode != 0:
-        raise ServiceUnavailable(f"apt-get {' '.join(args)} exited {proc.returncode}\n{log_tail(log)}")
-
-
 def _disable_main_cluster() -> None:
     """Debian's package creates and starts a 'main' cluster on 5432; tests never use it, so skip it."""
     conf = Path("/etc/postgresql-common/createcluster.conf")
@@ -92,10 +76,10 @@ def _apt_install(log: Path) -> None:
     if os.geteuid() != 0:
         raise ServiceUnavailable("PostgreSQL is not installed and installing it needs root (apt-get)")
     progress("installing PostgreSQL with apt-get (once per machine)")
-    _apt_get(["update"], log)
-    _apt_get(["install", "-y", "--no-install-recommends", "postgresql-common"], log)
+    apt_get(["update"], log)
+    apt_get(["install", "-y", "--no-install-recommends", "postgresql-common"], log)
     _disable_main_cluster()
-    _apt_get(["install", "-y", "--no-install-recommends", "postgresql"], log)
+    apt_get(["install", "-y", "--no-install-recommends", "postgresql"], log)
 
 
 def _server_version(bindir: Path) -> str:

@@ -42,6 +42,10 @@ class Stage:
         return [args for kw, args in self.instructions if kw == keyword]
 
 
+def _expand(value: str, args: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], value)
+
+
 def parse(text: str) -> tuple[dict[str, str], list[Stage]]:
     """Instructions (continuations joined, comments dropped), global ARG defaults, and stages."""
     logical: list[str] = []
@@ -65,12 +69,12 @@ def parse(text: str) -> tuple[dict[str, str], list[Stage]]:
         if keyword == "FROM":
             match = re.fullmatch(r"(\S+)(?:\s+AS\s+(\S+))?", rest.strip(), re.IGNORECASE)
             assert match, instruction
-            base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], match.group(1))
+            base = _expand(match.group(1), args)
             stages.append(Stage(base, match.group(2)))
         elif not stages:
             assert keyword == "ARG", f"only ARG may precede FROM: {instruction}"
             name, _, default = rest.partition("=")
-            args[name.strip()] = default.strip()
+            args[name.strip()] = _expand(default.strip(), args)
         else:
             stages[-1].instructions.append((keyword, rest.strip()))
     return args, stages
@@ -111,6 +115,7 @@ def test_hadolint_passes() -> None:
 
 
 def test_multi_stage_on_a_pinned_slim_python_base_without_registry_host() -> None:
+    # BASE_IMAGE defaults to the official slim image; the tests' offline build swaps it for a local one.
     assert len(STAGES) >= 2 and STAGES[0].name == "builder"
     assert re.fullmatch(r"3\.11\.\d+", ARGS["PYTHON_VERSION"]), ARGS
     for stage in STAGES:
@@ -164,8 +169,11 @@ def test_one_image_for_every_process_with_oci_labels() -> None:
 def test_builder_runs_the_install_script_the_venv_test_runs() -> None:
     builder = STAGES[0]
     runs = builder.all("RUN")
-    assert runs == ["sh /usr/local/bin/agent-dispatch-install /src /opt/agent-dispatch"], runs
-    assert "docker/install.sh /usr/local/bin/agent-dispatch-install" in builder.all("COPY")
+    assert runs == ["sh docker/install.sh /src /opt/agent-dispatch"], runs
+    assert "docker/install.sh ./docker/" in builder.all("COPY")
+    # An offline build (the tests' image) passes its wheels through the WHEELHOUSE build argument.
+    assert 'WHEELHOUSE=""' in builder.all("ARG")
+    assert "PIP_NO_INDEX=1" in INSTALL_SCRIPT.read_text()
 
 
 def test_dockerignore_keeps_the_context_to_what_the_copies_need() -> None:
@@ -181,7 +189,7 @@ def test_dockerignore_keeps_the_context_to_what_the_copies_need() -> None:
         for stage in STAGES
         for args in stage.all("COPY")
         if not args.startswith("--from")
-        for src in shlex.split(args)[:-1]
+        for src in (source.rstrip("/") for source in shlex.split(args)[:-1])
     }
     assert copied <= allowed, copied - allowed
 
