@@ -1,14 +1,17 @@
-"""Request bodies of the gateway, validated strictly (unknown fields are errors, not ignored)."""
+"""The gateway's request bodies (validated strictly: unknown fields are errors) and answers.
+
+The OpenAPI document (:mod:`agent_dispatch.gateway._openapi`) is generated from these models.
+"""
 
 from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, field_validator
 
-from agent_dispatch.models import SubmitRequest
+from agent_dispatch.models import Outcome, SubmitRequest, WorkItem, WorkState
 
 #: The envelope's reference shape (ids, sessions): a body that passes here always seals.
 REF_PATTERN: Final = r"^[A-Za-z0-9._:@/+=-]{1,200}$"
@@ -31,12 +34,25 @@ class TurnBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Annotated[str, Field(pattern=KIND_PATTERN)]
-    payload: JsonValue
-    session_id: Ref | None = None
+    kind: Annotated[str, Field(pattern=KIND_PATTERN, description="Executor-defined turn kind")]
+    payload: JsonValue = Field(description="Any JSON value (no NaN/Infinity); stored as compact UTF-8 JSON")
+    session_id: Ref | None = Field(
+        None, description="Turns of one session run one at a time, in order; default: the job id"
+    )
     priority: Annotated[StrictInt, Field(ge=-1000, le=1000)] = 0
-    deadline: float | str | None = None
-    depends_on: Annotated[list[Ref], Field(max_length=MAX_DEPENDENCIES)] = []
+    deadline: float | str | None = Field(
+        None,
+        description="After it, the turn is cancelled instead of run. RFC 3339 with an offset, or seconds from now",
+        json_schema_extra={
+            "oneOf": [
+                {"type": "string", "format": "date-time"},
+                {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_DEADLINE_S},
+            ]
+        },
+    )
+    depends_on: Annotated[list[Ref], Field(max_length=MAX_DEPENDENCIES)] = Field(
+        [], description="Job ids of this tenant that must succeed first"
+    )
     max_attempts: Annotated[StrictInt, Field(ge=1, le=100)] | None = None
 
     @field_validator("deadline", mode="plain")
@@ -113,3 +129,115 @@ def parse_deadline(value: float | str | None, now: datetime) -> datetime | None:
     if moment <= now:
         raise ValueError("is already in the past")
     return moment
+
+
+# --- answers ---------------------------------------------------------------------------------
+# Every answer body is built through one of these models, and the OpenAPI document is generated
+# from them, so what is served and what is documented cannot drift apart.
+
+#: An ISO 8601 timestamp as the store's projection writes it (kept as text: re-parsing it would
+#: change its spelling between the gateway and the direct CLI client).
+Timestamp = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
+
+
+class Answer(BaseModel):
+    """Answers carry only the fields set when they were built (absent, not null, otherwise)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def body(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+class JobHandle(Answer):
+    """The answer to an accepted submission."""
+
+    job_id: str
+    work_item_id: str
+    session_id: str
+    state: WorkState
+    status_url: str = Field(description="Path of the job's status")
+    created: bool = Field(description="false when an Idempotency-Key matched an earlier submission")
+
+    @classmethod
+    def of(cls, item: WorkItem, *, created: bool) -> JobHandle:
+        return cls(
+            job_id=item.id,
+            work_item_id=item.id,
+            session_id=item.session_id,
+            state=item.state,
+            status_url=f"/api/graph/jobs/{item.id}",
+            created=created,
+        )
+
+
+class Timestamps(Answer):
+    created_at: Timestamp
+    updated_at: Timestamp
+    deadline: Timestamp | None
+    lease_expires_at: Timestamp | None
+    not_before: Timestamp | None
+
+
+class JobView(Answer):
+    """The WorkItem itself (there is no second status record); never the payload."""
+
+    job_id: str
+    tenant: str
+    kind: str
+    queue: str
+    session_id: str
+    state: WorkState
+    terminal: bool
+    attempt: Annotated[int, Field(ge=0)]
+    max_attempts: Annotated[int, Field(ge=1)]
+    lease_epoch: Annotated[int, Field(ge=0)]
+    fencing_token: Annotated[int, Field(ge=0)]
+    lease_owner: str | None
+    priority: int
+    depends_on: list[str]
+    timestamps: Timestamps
+    outcome: Outcome | None
+    error: str | None
+    changed: bool | None = Field(
+        None, description="cancel only: false when the job had already finished (it shows how)"
+    )
+
+
+class JobList(Answer):
+    jobs: list[JobView]
+    next_after: str | None = Field(description="Pass as `after` for the next page; null on the last page")
+
+
+class FieldError(Answer):
+    field: str
+    message: str
+
+
+class ErrorBody(Answer):
+    error: str = Field(description="A stable machine-readable code")
+    detail: str
+    field: str | None = Field(None, description="The request field or header at fault")
+    errors: list[FieldError] | None = None
+
+
+class BatchItemResult(Answer):
+    """A job handle (status 202) or an error (any other status) for one turn of a batch."""
+
+    index: Annotated[int, Field(ge=0)]
+    status: Literal[202, 400, 409, 413, 422, 429, 503]
+    job_id: str | None = None
+    work_item_id: str | None = None
+    session_id: str | None = None
+    state: WorkState | None = None
+    status_url: str | None = None
+    created: bool | None = None
+    error: str | None = None
+    detail: str | None = None
+    field: str | None = None
+    errors: list[FieldError] | None = None
+
+
+class BatchResult(Answer):
+    accepted: Annotated[int, Field(ge=0)]
+    results: list[BatchItemResult]

@@ -1,34 +1,56 @@
-"""The gateway's OpenAPI 3 document, written by hand to match the handlers.
+"""The gateway's OpenAPI 3.1 document: schemas generated from the pydantic models, paths listed here.
 
-It is checked against a running gateway by a property-based tester
-(``tests/gateway/test_openapi_fuzz.py``): every generated request must get a documented status
-code and a body matching the schema here, and never a 5xx. Limits come from the settings in
-force, so the document a gateway serves describes that gateway.
+The request and answer bodies are the models in :mod:`agent_dispatch.gateway._models` (answers
+are built through them too), so the document cannot restate them wrongly. What is written here
+is only what no model knows: the routes, their status codes and headers. A property-based tester
+(``tests/gateway/test_openapi_fuzz.py``) checks the document against a running gateway. Limits
+come from the settings in force, so the document a gateway serves describes that gateway.
 """
 
 from __future__ import annotations
 
 from typing import Any, Final
 
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
+
 from agent_dispatch.gateway._models import (
     BODY_OVERHEAD,
     DEFAULT_PAGE,
     IDEMPOTENCY_KEY_PATTERN,
-    KIND_PATTERN,
     MAX_BATCH,
-    MAX_DEADLINE_S,
-    MAX_DEPENDENCIES,
     MAX_PAGE,
     REF_PATTERN,
+    BatchBody,
+    BatchResult,
+    BatchTurnBody,
+    ErrorBody,
+    JobHandle,
+    JobList,
+    JobView,
+    TurnBody,
 )
 from agent_dispatch.models import WorkState
 from agent_dispatch.settings import Settings
 
 VERSION: Final = "0.1.0"
+_REF_TEMPLATE: Final = "#/components/schemas/{model}"
+
+#: Requests are documented as they are validated, answers as they are serialised.
+MODELS: Final[list[tuple[type[BaseModel], JsonSchemaMode]]] = [
+    (TurnBody, "validation"),
+    (BatchTurnBody, "validation"),
+    (BatchBody, "validation"),
+    (JobHandle, "serialization"),
+    (JobView, "serialization"),
+    (JobList, "serialization"),
+    (BatchResult, "serialization"),
+    (ErrorBody, "serialization"),
+]
 
 
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": _REF_TEMPLATE.format(model=model.__name__)}
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -36,7 +58,7 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"description": description, "content": _json(_ref("Error"))}
+    out: dict[str, Any] = {"description": description, "content": _json(_ref(ErrorBody))}
     if headers:
         out["headers"] = headers
     return out
@@ -48,196 +70,39 @@ _RETRY_AFTER: Final = {
 _AUTH_ERROR: Final = {
     "description": "No bearer token, or one no tenant holds",
     "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}},
-    "content": _json(_ref("Error")),
+    "content": _json(_ref(ErrorBody)),
 }
-_UNAVAILABLE: Final = "The WorkItem store or transport is unavailable, or the depth probe failed"
+_UNAVAILABLE: Final = _error(
+    "The WorkItem store or transport is unavailable, or the depth probe failed", _RETRY_AFTER
+)
+_NOT_FOUND: Final = _error("No such job for this tenant")
+_BAD_HEADER: Final = _error("The body is not JSON, or the Idempotency-Key header is malformed")
 
 
-def _turn_properties(settings: Settings) -> dict[str, Any]:
-    return {
-        "kind": {"type": "string", "pattern": KIND_PATTERN, "description": "Executor-defined turn kind"},
-        "payload": {
-            "description": (
-                "Any JSON value (no NaN/Infinity); stored as compact UTF-8 JSON of at most "
-                f"{settings.max_payload_bytes} bytes"
-            ),
-        },
-        "session_id": {
-            "type": "string",
-            "pattern": REF_PATTERN,
-            "description": "Turns of one session run one at a time, in order; default: the job id",
-        },
-        "priority": {"type": "integer", "minimum": -1000, "maximum": 1000, "default": 0},
-        "deadline": {
-            "description": "After it, the turn is cancelled instead of run. RFC 3339 with an offset, or seconds from now",
-            "oneOf": [
-                {"type": "string", "format": "date-time"},
-                {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_DEADLINE_S},
-            ],
-        },
-        "depends_on": {
-            "type": "array",
-            "maxItems": MAX_DEPENDENCIES,
-            "items": {"type": "string", "pattern": REF_PATTERN},
-            "description": "Job ids of this tenant that must succeed first",
-        },
-        "max_attempts": {"type": "integer", "minimum": 1, "maximum": 100},
-    }
+def schemas(settings: Settings) -> dict[str, Any]:
+    """The component schemas, generated from the models, with the limits of ``settings``."""
+    _, top = models_json_schema(MODELS, ref_template=_REF_TEMPLATE)
+    found: dict[str, Any] = top["$defs"]
+    payload = (
+        "Any JSON value (no NaN/Infinity); stored as compact UTF-8 JSON of at most "
+        f"{settings.max_payload_bytes} bytes"
+    )
+    for name in (TurnBody.__name__, BatchTurnBody.__name__):
+        found[name]["properties"]["payload"] = {"description": payload}
+    # A batch's turns are validated one by one (one bad turn must not refuse the others), so the
+    # model takes plain objects; each one is a BatchTurnBody.
+    found[BatchBody.__name__]["properties"]["turns"]["items"] = _ref(BatchTurnBody)
+    found.pop("JsonValue", None)
+    return found
 
 
-def _schemas(settings: Settings) -> dict[str, Any]:
-    states = [s.value for s in WorkState]
-    turn_props = _turn_properties(settings)
-    timestamp = {"type": ["string", "null"], "format": "date-time"}
-    return {
-        "TurnRequest": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["kind", "payload"],
-            "properties": turn_props,
-        },
-        "BatchTurn": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["kind", "payload"],
-            "properties": {
-                **turn_props,
-                "idempotency_key": {"type": "string", "pattern": IDEMPOTENCY_KEY_PATTERN},
-            },
-        },
-        "BatchRequest": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["turns"],
-            "properties": {
-                "turns": {
-                    "type": "array",
-                    "minItems": 1,
-                    "maxItems": MAX_BATCH,
-                    "items": _ref("BatchTurn"),
-                }
-            },
-        },
-        "JobHandle": {
-            "type": "object",
-            "required": ["job_id", "work_item_id", "session_id", "state", "status_url", "created"],
-            "properties": {
-                "job_id": {"type": "string"},
-                "work_item_id": {"type": "string"},
-                "session_id": {"type": "string"},
-                "state": {"type": "string", "enum": states},
-                "status_url": {"type": "string", "description": "Path of the job's status"},
-                "created": {
-                    "type": "boolean",
-                    "description": "false when an Idempotency-Key matched an earlier submission",
-                },
-            },
-        },
-        "BatchItemResult": {
-            "type": "object",
-            "required": ["index", "status"],
-            "description": "A job handle (status 202) or an error (any other status) for one turn",
-            "properties": {
-                "index": {"type": "integer", "minimum": 0},
-                "status": {"type": "integer", "enum": [202, 400, 409, 413, 422, 429, 503]},
-                "job_id": {"type": "string"},
-                "state": {"type": "string", "enum": states},
-                "error": {"type": "string"},
-                "detail": {"type": "string"},
-                "field": {"type": "string"},
-            },
-        },
-        "BatchResult": {
-            "type": "object",
-            "required": ["accepted", "results"],
-            "properties": {
-                "accepted": {"type": "integer", "minimum": 0},
-                "results": {"type": "array", "items": _ref("BatchItemResult")},
-            },
-        },
-        "JobStatus": {
-            "type": "object",
-            "description": "The WorkItem itself (there is no second status record); never the payload",
-            "required": [
-                "job_id",
-                "state",
-                "terminal",
-                "attempt",
-                "max_attempts",
-                "lease_epoch",
-                "timestamps",
-            ],
-            "properties": {
-                "job_id": {"type": "string"},
-                "tenant": {"type": "string"},
-                "kind": {"type": "string"},
-                "queue": {"type": "string"},
-                "session_id": {"type": "string"},
-                "state": {"type": "string", "enum": states},
-                "terminal": {"type": "boolean"},
-                "attempt": {"type": "integer", "minimum": 0},
-                "max_attempts": {"type": "integer", "minimum": 1},
-                "lease_epoch": {"type": "integer", "minimum": 0},
-                "fencing_token": {"type": "integer", "minimum": 0},
-                "lease_owner": {"type": ["string", "null"]},
-                "priority": {"type": "integer"},
-                "depends_on": {"type": "array", "items": {"type": "string"}},
-                "timestamps": {
-                    "type": "object",
-                    "required": ["created_at", "updated_at"],
-                    "properties": {
-                        "created_at": {"type": "string", "format": "date-time"},
-                        "updated_at": {"type": "string", "format": "date-time"},
-                        "deadline": timestamp,
-                        "lease_expires_at": timestamp,
-                        "not_before": timestamp,
-                    },
-                },
-                "outcome": {"type": ["string", "null"], "enum": ["succeeded", "failed", "cancelled", None]},
-                "error": {"type": ["string", "null"]},
-                "changed": {
-                    "type": "boolean",
-                    "description": "cancel only: false when the job had already finished (it shows how)",
-                },
-            },
-        },
-        "JobList": {
-            "type": "object",
-            "required": ["jobs", "next_after"],
-            "properties": {
-                "jobs": {"type": "array", "items": _ref("JobStatus")},
-                "next_after": {
-                    "type": ["string", "null"],
-                    "description": "Pass as `after` for the next page; null on the last page",
-                },
-            },
-        },
-        "Error": {
-            "type": "object",
-            "required": ["error", "detail"],
-            "properties": {
-                "error": {"type": "string", "description": "A stable machine-readable code"},
-                "detail": {"type": "string"},
-                "field": {"type": "string", "description": "The request field or header at fault"},
-                "errors": {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "required": ["field", "message"],
-                        "properties": {"field": {"type": "string"}, "message": {"type": "string"}},
-                    },
-                },
-            },
-        },
-    }
-
-
-def openapi_document(settings: Settings) -> dict[str, Any]:
+def _paths(settings: Settings) -> dict[str, Any]:
     job_id = {
         "name": "job_id",
         "in": "path",
         "required": True,
-        "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._:@+=-]{1,200}$"},
+        # A path segment: the reference shape without '/'.
+        "schema": {"type": "string", "pattern": REF_PATTERN.replace("/", "")},
     }
     idempotency = {
         "name": "Idempotency-Key",
@@ -250,6 +115,145 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
         f"The body is over {settings.max_payload_bytes + BODY_OVERHEAD} bytes, or the payload over "
         f"{settings.max_payload_bytes} bytes"
     )
+    states = [s.value for s in WorkState]
+    return {
+        "/api/turns": {
+            "post": {
+                "operationId": "submitTurn",
+                "summary": "Submit one turn",
+                "parameters": [idempotency],
+                "requestBody": {"required": True, "content": _json(_ref(TurnBody))},
+                "responses": {
+                    "202": {
+                        "description": "Accepted: the job handle",
+                        "headers": {"Location": {"schema": {"type": "string"}}},
+                        "content": _json(_ref(JobHandle)),
+                    },
+                    "400": _BAD_HEADER,
+                    "401": _AUTH_ERROR,
+                    "409": _error("The Idempotency-Key was used before for a different request"),
+                    "413": too_large,
+                    "422": _error("A field is invalid; `field` names it"),
+                    "429": _error("The queue is at AGENT_DISPATCH_MAX_DEPTH", _RETRY_AFTER),
+                    "503": _UNAVAILABLE,
+                },
+            }
+        },
+        "/api/turns:batch": {
+            "post": {
+                "operationId": "submitTurns",
+                "summary": f"Submit up to {MAX_BATCH} turns; each gets its own result",
+                "description": (
+                    "With an Idempotency-Key header, turn i without its own idempotency_key uses "
+                    "`<key>/<i>`. The whole body is bounded like a single turn's."
+                ),
+                "parameters": [idempotency],
+                "requestBody": {"required": True, "content": _json(_ref(BatchBody))},
+                "responses": {
+                    "200": {"description": "One result per turn", "content": _json(_ref(BatchResult))},
+                    "400": _BAD_HEADER,
+                    "401": _AUTH_ERROR,
+                    "413": too_large,
+                    "422": _error("The batch itself is invalid (each turn's problems are in its result)"),
+                    "503": _UNAVAILABLE,
+                },
+            }
+        },
+        "/api/graph/jobs": {
+            "get": {
+                "operationId": "listJobs",
+                "summary": "The caller's jobs, newest first, paginated",
+                "parameters": [
+                    {
+                        "name": "state",
+                        "in": "query",
+                        "required": False,
+                        "description": "Only these states (repeat, or separate with commas)",
+                        "schema": {"type": "string", "enum": states},
+                    },
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": DEFAULT_PAGE},
+                    },
+                    {
+                        "name": "after",
+                        "in": "query",
+                        "required": False,
+                        "description": "next_after of the previous page",
+                        "schema": {"type": "string", "pattern": REF_PATTERN},
+                    },
+                ],
+                "responses": {
+                    "200": {"description": "A page of jobs", "content": _json(_ref(JobList))},
+                    "401": _AUTH_ERROR,
+                    "422": _error("A query parameter is invalid; `field` names it"),
+                    "503": _UNAVAILABLE,
+                },
+            }
+        },
+        "/api/graph/jobs/{job_id}": {
+            "get": {
+                "operationId": "getJob",
+                "summary": "The status projection of one job",
+                "parameters": [job_id],
+                "responses": {
+                    "200": {"description": "The job", "content": _json(_ref(JobView))},
+                    "401": _AUTH_ERROR,
+                    "404": _NOT_FOUND,
+                    "503": _UNAVAILABLE,
+                },
+            }
+        },
+        "/api/graph/jobs/{job_id}/cancel": {
+            "post": {
+                "operationId": "cancelJob",
+                "summary": "Cancel a job; a running turn's worker is refused at its next side effect",
+                "description": "Cancelling a finished job changes nothing and answers 200 with changed: false.",
+                "parameters": [job_id],
+                "responses": {
+                    "200": {"description": "The job, now cancelled", "content": _json(_ref(JobView))},
+                    "401": _AUTH_ERROR,
+                    "404": _NOT_FOUND,
+                    "409": _error("The job cannot be cancelled from its state"),
+                    "503": _UNAVAILABLE,
+                },
+            }
+        },
+        **_operations(),
+    }
+
+
+def _operations() -> dict[str, Any]:
+    """The unauthenticated probes, metrics and this document."""
+    anything = _json({"type": "object"})
+
+    def get(operation_id: str, summary: str, responses: dict[str, Any]) -> dict[str, Any]:
+        return {"get": {"operationId": operation_id, "summary": summary, "security": [], "responses": responses}}
+
+    return {
+        "/healthz": get("healthz", "Liveness", {"200": {"description": "Alive", "content": anything}}),
+        "/readyz": get(
+            "readyz",
+            "Readiness: the store answers and the queue depth can be measured",
+            {
+                "200": {"description": "Ready", "content": anything},
+                "503": {"description": "Not ready", "content": anything},
+            },
+        ),
+        "/metrics": get(
+            "metrics",
+            "Prometheus metrics",
+            {"200": {"description": "Metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+        ),
+        "/openapi.json": get(
+            "openapi", "This document", {"200": {"description": "OpenAPI 3", "content": anything}}
+        ),
+    }
+
+
+def openapi_document(settings: Settings) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {
@@ -262,156 +266,7 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
             ),
         },
         "security": [{"bearerAuth": []}],
-        "paths": {
-            "/api/turns": {
-                "post": {
-                    "operationId": "submitTurn",
-                    "summary": "Submit one turn",
-                    "parameters": [idempotency],
-                    "requestBody": {"required": True, "content": _json(_ref("TurnRequest"))},
-                    "responses": {
-                        "202": {
-                            "description": "Accepted: the job handle",
-                            "headers": {"Location": {"schema": {"type": "string"}}},
-                            "content": _json(_ref("JobHandle")),
-                        },
-                        "400": _error("The body is not JSON, or the Idempotency-Key header is malformed"),
-                        "401": _AUTH_ERROR,
-                        "409": _error("The Idempotency-Key was used before for a different request"),
-                        "413": too_large,
-                        "422": _error("A field is invalid; `field` names it"),
-                        "429": _error("The queue is at AGENT_DISPATCH_MAX_DEPTH", _RETRY_AFTER),
-                        "503": _error(_UNAVAILABLE, _RETRY_AFTER),
-                    },
-                }
-            },
-            "/api/turns:batch": {
-                "post": {
-                    "operationId": "submitTurns",
-                    "summary": f"Submit up to {MAX_BATCH} turns; each gets its own result",
-                    "description": (
-                        "With an Idempotency-Key header, turn i without its own idempotency_key uses "
-                        "`<key>/<i>`. The whole body is bounded like a single turn's."
-                    ),
-                    "parameters": [idempotency],
-                    "requestBody": {"required": True, "content": _json(_ref("BatchRequest"))},
-                    "responses": {
-                        "200": {"description": "One result per turn", "content": _json(_ref("BatchResult"))},
-                        "400": _error("The body is not JSON, or the Idempotency-Key header is malformed"),
-                        "401": _AUTH_ERROR,
-                        "413": too_large,
-                        "422": _error("The batch itself is invalid (each turn's problems are in its result)"),
-                        "503": _error(_UNAVAILABLE, _RETRY_AFTER),
-                    },
-                }
-            },
-            "/api/graph/jobs": {
-                "get": {
-                    "operationId": "listJobs",
-                    "summary": "The caller's jobs, newest first, paginated",
-                    "parameters": [
-                        {
-                            "name": "state",
-                            "in": "query",
-                            "required": False,
-                            "description": "Only these states (repeat, or separate with commas)",
-                            "schema": {"type": "string", "enum": [s.value for s in WorkState]},
-                        },
-                        {
-                            "name": "limit",
-                            "in": "query",
-                            "required": False,
-                            "schema": {
-                                "type": "integer",
-                                "minimum": 1,
-                                "maximum": MAX_PAGE,
-                                "default": DEFAULT_PAGE,
-                            },
-                        },
-                        {
-                            "name": "after",
-                            "in": "query",
-                            "required": False,
-                            "description": "next_after of the previous page",
-                            "schema": {"type": "string", "pattern": REF_PATTERN},
-                        },
-                    ],
-                    "responses": {
-                        "200": {"description": "A page of jobs", "content": _json(_ref("JobList"))},
-                        "401": _AUTH_ERROR,
-                        "422": _error("A query parameter is invalid; `field` names it"),
-                        "503": _error(_UNAVAILABLE, _RETRY_AFTER),
-                    },
-                }
-            },
-            "/api/graph/jobs/{job_id}": {
-                "get": {
-                    "operationId": "getJob",
-                    "summary": "The status projection of one job",
-                    "parameters": [job_id],
-                    "responses": {
-                        "200": {"description": "The job", "content": _json(_ref("JobStatus"))},
-                        "401": _AUTH_ERROR,
-                        "404": _error("No such job for this tenant"),
-                        "503": _error(_UNAVAILABLE, _RETRY_AFTER),
-                    },
-                }
-            },
-            "/api/graph/jobs/{job_id}/cancel": {
-                "post": {
-                    "operationId": "cancelJob",
-                    "summary": "Cancel a job; a running turn's worker is refused at its next side effect",
-                    "description": "Cancelling a finished job changes nothing and answers 200 with changed: false.",
-                    "parameters": [job_id],
-                    "responses": {
-                        "200": {"description": "The job, now cancelled", "content": _json(_ref("JobStatus"))},
-                        "401": _AUTH_ERROR,
-                        "404": _error("No such job for this tenant"),
-                        "503": _error(_UNAVAILABLE, _RETRY_AFTER),
-                    },
-                }
-            },
-            "/healthz": {
-                "get": {
-                    "operationId": "healthz",
-                    "summary": "Liveness",
-                    "security": [],
-                    "responses": {"200": {"description": "Alive", "content": _json({"type": "object"})}},
-                }
-            },
-            "/readyz": {
-                "get": {
-                    "operationId": "readyz",
-                    "summary": "Readiness: the store answers and the queue depth can be measured",
-                    "security": [],
-                    "responses": {
-                        "200": {"description": "Ready", "content": _json({"type": "object"})},
-                        "503": {"description": "Not ready", "content": _json({"type": "object"})},
-                    },
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "operationId": "metrics",
-                    "summary": "Prometheus metrics",
-                    "security": [],
-                    "responses": {
-                        "200": {
-                            "description": "Metrics",
-                            "content": {"text/plain": {"schema": {"type": "string"}}},
-                        }
-                    },
-                }
-            },
-            "/openapi.json": {
-                "get": {
-                    "operationId": "openapi",
-                    "summary": "This document",
-                    "security": [],
-                    "responses": {"200": {"description": "OpenAPI 3", "content": _json({"type": "object"})}},
-                }
-            },
-        },
+        "paths": _paths(settings),
         "components": {
             "securitySchemes": {
                 "bearerAuth": {
@@ -420,6 +275,6 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
                     "description": "A token whose sha256 is listed for a tenant in AGENT_DISPATCH_TOKENS_FILE",
                 }
             },
-            "schemas": _schemas(settings),
+            "schemas": schemas(settings),
         },
     }

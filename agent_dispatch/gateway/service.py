@@ -1,0 +1,381 @@
+"""What a tenant can do with jobs, shared by the HTTP handlers and the direct CLI client.
+
+Validation, payload bounds, admission, pagination and tenant scoping live here once; the
+gateway's handlers only authenticate, read the body and write the answer, and the CLI's direct
+client only opens a runtime. Every refusal is one :class:`ServiceError`, which carries both its
+HTTP meaning (status, stable code, the field at fault) and its CLI exit code. The calls block
+(database drivers, the Kafka flush barrier): the gateway runs them on its thread pool.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from pydantic import ValidationError
+
+from agent_dispatch import jobs
+from agent_dispatch.dispatch import Admission
+from agent_dispatch.errors import (
+    BackendUnavailable,
+    DepthUnavailable,
+    DispatchError,
+    IdempotencyConflict,
+    InvalidRequest,
+    InvalidTransition,
+    NotFound,
+    PayloadTooLarge,
+    QueueFull,
+    SchemaOutdated,
+)
+from agent_dispatch.gateway._models import (
+    BODY_OVERHEAD,
+    DEFAULT_PAGE,
+    IDEMPOTENCY_KEY_PATTERN,
+    MAX_PAGE,
+    REF_PATTERN,
+    BatchBody,
+    BatchItemResult,
+    BatchResult,
+    BatchTurnBody,
+    ErrorBody,
+    FieldError,
+    JobHandle,
+    JobList,
+    JobView,
+    TurnBody,
+)
+from agent_dispatch.models import SubmitRequest, SubmitResult, WorkState
+from agent_dispatch.settings import Settings
+from agent_dispatch.store import WorkItemStore, check_payload
+
+#: What a client is told to wait after 429/503; the queue drains at worker speed, so retry soon.
+RETRY_AFTER_S: Final = 1
+
+# The README's exit codes (agent_dispatch.runtime holds the table; these are its values).
+_EXIT_FAILURE: Final = 1
+_EXIT_USAGE: Final = 2
+_EXIT_UNAVAILABLE: Final = 3
+#: HTTP status -> CLI exit code: the caller's mistake is usage (2), an outage is 3, a refusal 1.
+EXIT_FOR_STATUS: Final = {
+    400: _EXIT_USAGE,
+    401: _EXIT_USAGE,
+    413: _EXIT_USAGE,
+    422: _EXIT_USAGE,
+    503: _EXIT_UNAVAILABLE,
+}
+
+_IDEMPOTENCY: Final = re.compile(IDEMPOTENCY_KEY_PATTERN)
+_REF: Final = re.compile(REF_PATTERN)
+_STATES: Final = {s.value: s for s in WorkState}
+
+
+class ServiceError(Exception):
+    """A refusal: HTTP status, a stable machine code, a human detail and the field at fault."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        detail: str,
+        *,
+        field: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        errors: Sequence[Mapping[str, str]] = (),
+        exit_code: int | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.field = field
+        self.headers = dict(headers or {})
+        self.errors = list(errors)
+        self._exit_code = exit_code
+
+    @property
+    def exit_code(self) -> int:
+        """The CLI's exit code for this refusal."""
+        if self._exit_code is not None:
+            return self._exit_code
+        return EXIT_FOR_STATUS.get(self.status, _EXIT_FAILURE)
+
+    def body(self) -> dict[str, Any]:
+        model = ErrorBody(
+            error=self.code,
+            detail=self.detail,
+            field=self.field,
+            errors=[FieldError.model_validate(e) for e in self.errors] or None,
+        )
+        return model.model_dump(mode="json", exclude_none=True)
+
+
+def not_found() -> ServiceError:
+    # Another tenant's job and a job that never existed get the same answer: nothing leaks.
+    return ServiceError(404, "not_found", "no such job")
+
+
+def _loc(loc: Sequence[int | str]) -> str:
+    return ".".join(str(part) for part in loc) or "body"
+
+
+def validation_error(exc: ValidationError, prefix: str = "") -> ServiceError:
+    """422 naming the first bad field (400 when the body is not JSON at all)."""
+    details = exc.errors(include_url=False, include_input=False)
+    if details and details[0]["type"] in {"json_invalid", "json_type"}:
+        return ServiceError(400, "malformed_json", "the request body is not valid JSON", field="body")
+    errors = [
+        {"field": prefix + _loc(d["loc"]), "message": str(d["msg"]).removeprefix("Value error, ")}
+        for d in details
+    ]
+    first = errors[0]
+    return ServiceError(
+        422, "invalid_field", f"{first['field']}: {first['message']}", field=first["field"], errors=errors
+    )
+
+
+def admission_error(exc: Exception) -> ServiceError | None:
+    """The meaning of an error from the enqueue path or a store read; ``None`` for anything else."""
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    if isinstance(exc, QueueFull):
+        return ServiceError(429, "queue_full", "the queue is at its depth bound; retry later", headers=retry)
+    if isinstance(exc, DepthUnavailable):
+        # Fail closed: an unknown depth is never treated as an empty queue.
+        return ServiceError(
+            503, "depth_unavailable", "queue depth cannot be measured; retry later", headers=retry
+        )
+    if isinstance(exc, PayloadTooLarge):
+        return ServiceError(413, "payload_too_large", str(exc), field="payload")
+    if isinstance(exc, IdempotencyConflict):
+        return ServiceError(
+            409,
+            "idempotency_conflict",
+            "this Idempotency-Key was already used for a different request",
+            field="Idempotency-Key",
+        )
+    if isinstance(exc, NotFound):
+        return ServiceError(
+            422, "invalid_field", "depends_on: a dependency does not exist", field="depends_on"
+        )
+    if isinstance(exc, InvalidRequest):
+        return ServiceError(422, "invalid_request", str(exc))
+    if isinstance(exc, InvalidTransition):
+        return ServiceError(409, "invalid_transition", str(exc))
+    return unavailable(exc)
+
+
+def unavailable(exc: Exception) -> ServiceError | None:
+    if not isinstance(exc, BackendUnavailable | SchemaOutdated):
+        return None
+    return ServiceError(
+        503,
+        "unavailable",
+        "the WorkItem store or transport is unavailable; retry with the same Idempotency-Key",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+        # A schema that needs `agent-dispatch migrate` is a finding (1); an outage is 3.
+        exit_code=_EXIT_FAILURE if isinstance(exc, SchemaOutdated) else _EXIT_UNAVAILABLE,
+    )
+
+
+def admission_result(error: ServiceError) -> str:
+    """The admission metric's label for a refused turn."""
+    if error.code == "depth_unavailable":
+        return "depth_unavailable"
+    return {413: "too_large", 422: "invalid", 400: "invalid", 409: "conflict", 429: "queue_full"}.get(
+        error.status, "unavailable"
+    )
+
+
+def check_idempotency_key(key: str | None) -> str | None:
+    if key is not None and not _IDEMPOTENCY.match(key):
+        raise ServiceError(
+            400,
+            "invalid_header",
+            "Idempotency-Key must be 1-200 printable characters without spaces",
+            field="Idempotency-Key",
+        )
+    return key
+
+
+class JobService:
+    """A tenant's turns and jobs over one store and its admission strategy.
+
+    ``admission`` is called on the first submission only, so a client that only reads or cancels
+    jobs never opens a transport.
+    """
+
+    def __init__(self, settings: Settings, store: WorkItemStore, admission: Callable[[], Admission]) -> None:
+        self.settings = settings
+        self.store = store
+        self._admission = admission
+
+    @property
+    def body_limit(self) -> int:
+        """The largest request body worth reading: the payload bound plus room for the other fields."""
+        return self.settings.max_payload_bytes + BODY_OVERHEAD
+
+    def _payload(self, turn: TurnBody, prefix: str = "") -> bytes:
+        """The payload as stored (compact JSON bytes), refused with 413 when over the limit."""
+        payload = turn.payload_bytes()
+        try:
+            check_payload(payload, self.settings.max_payload_bytes)
+        except PayloadTooLarge as exc:
+            raise ServiceError(413, "payload_too_large", str(exc), field=f"{prefix}payload") from None
+        return payload
+
+    def _call(self, fn: Callable[[], Any], *, missing: ServiceError | None = None) -> Any:
+        """``fn()`` with its errors mapped; ``missing`` is the answer to a ``NotFound``."""
+        try:
+            return fn()
+        except DispatchError as exc:
+            mapped = missing if missing is not None and isinstance(exc, NotFound) else admission_error(exc)
+            if mapped is None:
+                raise
+            raise mapped from None
+
+    # --- turns -------------------------------------------------------------------------------
+
+    def submit(
+        self, tenant: str, body: bytes | Mapping[str, Any], *, idempotency_key: str | None = None
+    ) -> JobHandle:
+        """Admit one turn (``body``: the JSON text or its parsed object)."""
+        key = check_idempotency_key(idempotency_key)
+        try:
+            turn = (
+                TurnBody.model_validate_json(body)
+                if isinstance(body, bytes)
+                else TurnBody.model_validate(body)
+            )
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        request = turn.to_request(tenant, key, datetime.now(UTC), self._payload(turn))
+        result: SubmitResult = self._call(lambda: self._admission().enqueue(request))
+        return JobHandle.of(result.item, created=result.created)
+
+    def submit_batch(self, tenant: str, body: bytes, *, idempotency_key: str | None = None) -> BatchResult:
+        """Admit each turn of a batch; every turn gets its own result, one refusal hides no other.
+
+        With an idempotency key, turn i without its own key uses ``<key>/<i>``.
+        """
+        key = check_idempotency_key(idempotency_key)
+        try:
+            batch = BatchBody.model_validate_json(body)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        now = datetime.now(UTC)
+        results: list[BatchItemResult | None] = [None] * len(batch.turns)
+        valid: list[tuple[int, SubmitRequest]] = []
+        for index, raw in enumerate(batch.turns):
+            prefix = f"turns.{index}."
+            try:
+                try:
+                    turn = BatchTurnBody.model_validate(raw)
+                except ValidationError as exc:
+                    raise validation_error(exc, prefix) from None
+                payload = self._payload(turn, prefix)
+                item_key = turn.idempotency_key or (f"{key}/{index}" if key is not None else None)
+                valid.append((index, turn.to_request(tenant, item_key, now, payload)))
+            except ServiceError as exc:
+                results[index] = _refused(index, exc)
+        if valid:
+            outcomes = self._call(lambda: self._admission().enqueue_many([req for _, req in valid]))
+            for (index, _), outcome in zip(valid, outcomes, strict=True):
+                if isinstance(outcome, SubmitResult):
+                    handle = JobHandle.of(outcome.item, created=outcome.created)
+                    results[index] = BatchItemResult(index=index, status=202, **handle.body())
+                    continue
+                error = admission_error(outcome)
+                if error is None:
+                    raise outcome
+                results[index] = _refused(index, error)
+        done = [r for r in results if r is not None]
+        return BatchResult(accepted=sum(1 for r in done if r.status == 202), results=done)
+
+    # --- jobs --------------------------------------------------------------------------------
+
+    def status(self, tenant: str, job_id: str) -> JobView:
+        return self._job(tenant, job_id, "status")
+
+    def cancel(self, tenant: str, job_id: str) -> JobView:
+        """Cancelling a finished job is not an error: the view says changed: false and how it ended."""
+        return self._job(tenant, job_id, "cancel")
+
+    def _job(self, tenant: str, job_id: str, action: str) -> JobView:
+        if not _REF.match(job_id):
+            # Not an id this service could have issued: indistinguishable from another tenant's job.
+            raise not_found()
+        view = self._call(
+            lambda: jobs.graph_jobs(self.store, action=action, job_id=job_id, tenant=tenant),
+            missing=not_found(),
+        )
+        return JobView.model_validate(view)
+
+    def list(
+        self,
+        tenant: str,
+        *,
+        states: Sequence[str] = (),
+        limit: int | str | None = None,
+        after: str | None = None,
+    ) -> JobList:
+        """A page of the tenant's jobs, newest first; ``states`` may be comma-separated lists."""
+        wanted = _parse_states(states)
+        page_size = _parse_limit(limit)
+        after = after or None
+        bad_after = ServiceError(
+            422, "invalid_field", "after: not a job id from a previous page", field="after"
+        )
+        if after is not None and not _REF.match(after):
+            raise bad_after
+        items = self._call(
+            lambda: self.store.list_items(tenant=tenant, states=wanted, limit=page_size + 1, after=after),
+            missing=bad_after,
+        )
+        page = items[:page_size]
+        return JobList(
+            jobs=[JobView.model_validate(jobs.project(item)) for item in page],
+            next_after=page[-1].id if len(items) > page_size else None,
+        )
+
+
+def _refused(index: int, error: ServiceError) -> BatchItemResult:
+    return BatchItemResult.model_validate({"index": index, "status": error.status, **error.body()})
+
+
+def _parse_states(raw: Sequence[str]) -> list[WorkState]:
+    states: list[WorkState] = []
+    for text in raw:
+        for name in filter(None, (part.strip() for part in text.split(","))):
+            if name not in _STATES:
+                raise ServiceError(
+                    422,
+                    "invalid_field",
+                    f"state: {name[:40]!r} is not one of {', '.join(_STATES)}",
+                    field="state",
+                )
+            states.append(_STATES[name])
+    return states
+
+
+def _parse_limit(raw: int | str | None) -> int:
+    if raw is None:
+        return DEFAULT_PAGE
+    text = str(raw)
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_PAGE:
+        raise ServiceError(
+            422, "invalid_field", f"limit: must be an integer from 1 to {MAX_PAGE}", field="limit"
+        )
+    return int(text)
+
+
+__all__ = [
+    "RETRY_AFTER_S",
+    "JobService",
+    "ServiceError",
+    "admission_error",
+    "admission_result",
+    "check_idempotency_key",
+    "validation_error",
+]
