@@ -245,14 +245,10 @@ def transport_probe(settings: Settings) -> Iterable[Check]:
 
 
 def _kafka_partitions(settings: Settings) -> int | None:
-    from confluent_kafka.admin import AdminClient
+    from agent_dispatch.transports import kafka
 
-    admin = AdminClient({"bootstrap.servers": settings.kafka_bootstrap_servers or ""})
-    metadata = admin.list_topics(topic=settings.kafka_topic, timeout=PROBE_TIMEOUT_S / 2)
-    topic = metadata.topics.get(settings.kafka_topic)
-    if topic is None or topic.error is not None:
-        return None
-    return len(topic.partitions)
+    admin = kafka.admin_client(settings.kafka_bootstrap_servers or "", client_id="agent-dispatch-doctor")
+    return kafka.topic_partition_count(admin, settings.kafka_topic, timeout_s=PROBE_TIMEOUT_S / 2)
 
 
 def schema_probe(settings: Settings) -> Iterable[Check]:

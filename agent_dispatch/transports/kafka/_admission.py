@@ -1,0 +1,165 @@
+"""Admission under the depth bound: the probed group lag plus what this process has in flight.
+
+Depth is the consumer group's lag, measured under a timeout. A failed or slow probe raises
+:class:`DepthUnavailable`; it is never read as zero. The probe is cached for a fraction of a
+second so admission costs the same at depth 0 and at depth 100k, and turns admitted by this
+process since the probe began are added to it, so concurrent admitters in one process cannot
+overshoot the bound between probes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from agent_dispatch.errors import DepthUnavailable, QueueFull
+from agent_dispatch.transport import OutboundTurn
+
+
+@dataclass(frozen=True)
+class _Probe:
+    started: float
+    #: Turns settled (see :class:`DepthBound`) before the probe began: the in-flight baseline.
+    reported: int
+    lag: int | None
+    error: str | None = None
+
+
+class DepthBound:
+    """The books that keep admitted turns under ``max_depth``.
+
+    ``measure()`` is the group lag (raising :class:`DepthUnavailable`); ``delivered()`` counts the
+    producer's delivery reports. A turn is counted from its reservation until it is settled: by a
+    delivery report, or locally (:meth:`settle_unsent`) when it never reaches the producer.
+    """
+
+    def __init__(
+        self,
+        max_depth: int,
+        *,
+        measure: Callable[[], int],
+        delivered: Callable[[], int],
+        cache_s: float,
+    ) -> None:
+        self.max_depth = max_depth
+        self._measure = measure
+        self._delivered = delivered
+        self._cache_s = cache_s
+        self._probe_lock = threading.Lock()
+        self._probe: _Probe | None = None
+        self._lock = threading.Lock()
+        self._reserved = 0
+        self._failed_locally = 0
+
+    def reserve(self, count: int, *, partial: bool = False) -> int:
+        """Check depth + count against the bound and reserve the room (returns how much), or raise.
+
+        The estimate is the probed lag plus every turn this process reserved that had not been
+        confirmed when the probe began: those may or may not be in the probed watermarks, so they
+        are counted (over-counting only ever rejects, never over-admits). ``partial``: reserve
+        what fits of ``count`` (at least one).
+        """
+        probe = self._fresh_probe(time.monotonic())
+        if probe.lag is None:
+            raise DepthUnavailable(probe.error or "kafka depth probe failed")
+        with self._lock:
+            in_flight = self._reserved - probe.reported
+            depth = probe.lag + max(0, in_flight)
+            granted = min(count, self.max_depth - depth) if partial else count
+            if granted < 1 or depth + granted > self.max_depth:
+                raise QueueFull(f"queue depth {depth} + {count} exceeds {self.max_depth}")
+            self._reserved += granted
+            return granted
+
+    def count_unbounded(self, count: int) -> None:
+        """Turns admitted past the bound (re-drives): counted in flight all the same."""
+        with self._lock:
+            self._reserved += count
+
+    def settle_unsent(self, count: int) -> None:
+        """Reserved turns that will never be produced: settled like ones that never reached librdkafka."""
+        if count > 0:
+            with self._lock:
+                self._failed_locally += count
+
+    def depth(self) -> int:
+        probe = self._fresh_probe(time.monotonic())
+        if probe.lag is None:
+            raise DepthUnavailable(probe.error or "kafka depth probe failed")
+        with self._lock:
+            return probe.lag + max(0, self._reserved - probe.reported)
+
+    def _settled(self) -> int:
+        return self._delivered() + self._failed_locally
+
+    def _fresh_probe(self, arrival: float) -> _Probe:
+        """A lag probe that began no more than ``cache_s`` before ``arrival``.
+
+        Single flight: callers that arrive while a probe runs wait for it and share its answer
+        (a failure too: during an outage, N callers wait one timeout, not N timeouts in a row).
+        """
+        probe = self._probe
+        if probe is not None and arrival - probe.started <= self._cache_s:
+            return probe
+        with self._probe_lock:
+            probe = self._probe
+            if probe is not None and arrival - probe.started <= self._cache_s:
+                return probe
+            started = time.monotonic()
+            reported = self._settled()
+            try:
+                probe = _Probe(started, reported, self._measure())
+            except DepthUnavailable as exc:
+                probe = _Probe(started, reported, None, str(exc))
+            self._probe = probe
+            return probe
+
+
+class Reservation:
+    """Room under the depth bound held for turns not produced yet (:meth:`KafkaTransport.reserve`).
+
+    Counted as queued until it is admitted or released, so concurrent admissions cannot take it.
+    Release what is not used (``release()`` or the ``with`` block); admitting more than the room
+    left is a programming error. ``produce`` sends turns whose room is reserved; ``give_back``
+    settles room that will not be used.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        *,
+        produce: Callable[[Sequence[OutboundTurn]], None],
+        give_back: Callable[[int], None],
+    ) -> None:
+        self._produce = produce
+        self._give_back = give_back
+        self._lock = threading.Lock()
+        self._remaining = count
+
+    @property
+    def remaining(self) -> int:
+        return self._remaining
+
+    def admit(self, turns: Sequence[OutboundTurn]) -> None:
+        """Produce ``turns`` in the reserved room: as :meth:`KafkaTransport.admit`, without the bound check."""
+        if not turns:
+            return
+        with self._lock:
+            if len(turns) > self._remaining:
+                raise ValueError(f"{len(turns)} turns exceed the {self._remaining} reserved")
+            self._remaining -= len(turns)
+        self._produce(turns)
+
+    def release(self) -> None:
+        """Give back the room not admitted (idempotent)."""
+        with self._lock:
+            unused, self._remaining = self._remaining, 0
+        self._give_back(unused)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
