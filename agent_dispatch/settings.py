@@ -11,7 +11,7 @@ import re
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Final, NoReturn
+from typing import Annotated, Any, Final, Literal, NamedTuple, NoReturn, get_args
 
 import platformdirs
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, ValidationInfo, field_validator
@@ -21,6 +21,33 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 RTO_S: Final = 300
 
 EXIT_INVALID_SETTING: Final = 2
+
+
+class Bound(NamedTuple):
+    """An inclusive range of a value that a setting, the operator's AgentDispatch spec and the CRD
+    all carry: written once here, read by the two models, and compared with the CRD by a test."""
+
+    low: int
+    high: int
+
+
+# --- the bounds and shapes shared with agent_dispatch.operator._spec (and the CRD) ---------------
+PARTITIONS: Final = Bound(1, 10_000)
+MAX_DEPTH: Final = Bound(1, 1_000_000_000)
+CLAIM_TTL_S: Final = Bound(1, RTO_S)
+#: The sweep interval's ceiling; settings take fractions of a second from 0.1, the spec whole seconds.
+SWEEP_INTERVAL_S: Final = Bound(1, RTO_S)
+MAX_ATTEMPTS: Final = Bound(1, 100)
+CONCURRENCY: Final = Bound(1, 256)
+SHUTDOWN_GRACE_S: Final = Bound(0, 3600)
+EXECUTOR_TIMEOUT_S: Final = Bound(1, 3600)
+# Patterns are ASCII and RE2-compatible: the API server checks the CRD's copies with Go's regexp.
+KAFKA_TOPIC_PATTERN: Final = r"^[A-Za-z0-9._-]+$"
+KAFKA_TOPIC_LENGTH: Final = Bound(1, 249)
+EXECUTOR_PATTERN: Final = r"^(noop|sleep|http|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
+EXECUTOR_URL_PATTERN: Final = r"^https?://\S+$"
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+LOG_LEVELS: Final = get_args(LogLevel)
 
 
 class Backend(StrEnum):
@@ -42,13 +69,13 @@ def _env(name: str) -> Any:
 #: Allowed values, quoted in error messages; keep in step with the Field constraints below.
 ALLOWED: Final[dict[str, str]] = {
     "TASK_QUEUE_BACKEND": "one of kafka, postgres, sqlite (unset: postgres when STATE_DB_URI is set, else sqlite)",
-    "AGENT_TURNS_PARTITIONS": "an integer from 1 to 10000; grow-only",
-    "AGENT_DISPATCH_MAX_DEPTH": "an integer from 1 to 1000000000",
-    "AGENT_DISPATCH_CLAIM_TTL_S": f"a number of seconds from 1 to {RTO_S} (the RTO)",
+    "AGENT_TURNS_PARTITIONS": f"an integer from {PARTITIONS.low} to {PARTITIONS.high}; grow-only",
+    "AGENT_DISPATCH_MAX_DEPTH": f"an integer from {MAX_DEPTH.low} to {MAX_DEPTH.high}",
+    "AGENT_DISPATCH_CLAIM_TTL_S": f"a number of seconds from {CLAIM_TTL_S.low} to {CLAIM_TTL_S.high} (the RTO)",
     "AGENT_DISPATCH_RENEW_INTERVAL_S": "a number of seconds from 0.1 up to, but not including, the claim TTL",
     "AGENT_DISPATCH_VISIBILITY_TIMEOUT_S": f"a number of seconds from 1 to {RTO_S} (the RTO)",
-    "AGENT_DISPATCH_SWEEP_INTERVAL_S": f"a number of seconds from 0.1 to {RTO_S}",
-    "AGENT_DISPATCH_MAX_ATTEMPTS": "an integer from 1 to 100",
+    "AGENT_DISPATCH_SWEEP_INTERVAL_S": f"a number of seconds from 0.1 to {SWEEP_INTERVAL_S.high}",
+    "AGENT_DISPATCH_MAX_ATTEMPTS": f"an integer from {MAX_ATTEMPTS.low} to {MAX_ATTEMPTS.high}",
     "AGENT_DISPATCH_MAX_PAYLOAD_BYTES": "an integer from 1 to 67108864 (64 MiB)",
     "STATE_DB_URI": "a postgresql:// or postgres:// connection URI",
     "KAFKA_BOOTSTRAP_SERVERS": "a comma-separated list of host:port",
@@ -59,12 +86,12 @@ ALLOWED: Final[dict[str, str]] = {
     "AGENT_DISPATCH_KAFKA_TOPIC": "a Kafka topic name (letters, digits, '.', '_', '-'; up to 249)",
     "AGENT_DISPATCH_KAFKA_GROUP": "a Kafka consumer group id",
     "AGENT_DISPATCH_METRICS_PORT": "a TCP port from 0 to 65535 (0: do not serve)",
-    "AGENT_DISPATCH_CONCURRENCY": "an integer from 1 to 256 worker threads",
+    "AGENT_DISPATCH_CONCURRENCY": f"an integer from {CONCURRENCY.low} to {CONCURRENCY.high} worker threads",
     "AGENT_DISPATCH_CLAIM_BATCH": "an integer from 1 to 256 deliveries per claim",
     "AGENT_DISPATCH_EXECUTOR": "noop, sleep, http, or a plugin as module:function",
     "AGENT_DISPATCH_EXECUTOR_URL": "an http:// or https:// URL (required for the http executor)",
-    "AGENT_DISPATCH_EXECUTOR_TIMEOUT_S": "a number of seconds from 0.1 to 3600",
-    "AGENT_DISPATCH_SHUTDOWN_GRACE_S": "a number of seconds from 0 to 3600",
+    "AGENT_DISPATCH_EXECUTOR_TIMEOUT_S": f"a number of seconds from 0.1 to {EXECUTOR_TIMEOUT_S.high}",
+    "AGENT_DISPATCH_SHUTDOWN_GRACE_S": f"a number of seconds from {SHUTDOWN_GRACE_S.low} to {SHUTDOWN_GRACE_S.high}",
     "AGENT_DISPATCH_INSTANCE": "the AgentDispatch resource name (a DNS-1123 label)",
     "AGENT_DISPATCH_NAMESPACE": "a Kubernetes namespace (a DNS-1123 label)",
     "AGENT_DISPATCH_WORKER_ID": "letters, digits, '.', '_', '-' (up to 200)",
@@ -89,13 +116,13 @@ class Settings(BaseSettings):
     )
 
     backend_choice: Backend | None = Field(None, validation_alias=_env("TASK_QUEUE_BACKEND"))
-    partitions: Annotated[int, Field(ge=1, le=10_000)] = Field(
+    partitions: Annotated[int, Field(ge=PARTITIONS.low, le=PARTITIONS.high)] = Field(
         6, validation_alias=_env("AGENT_TURNS_PARTITIONS")
     )
-    max_depth: Annotated[int, Field(ge=1, le=1_000_000_000)] = Field(
+    max_depth: Annotated[int, Field(ge=MAX_DEPTH.low, le=MAX_DEPTH.high)] = Field(
         100_000, validation_alias=_env("AGENT_DISPATCH_MAX_DEPTH")
     )
-    claim_ttl_s: Annotated[float, Field(ge=1, le=RTO_S)] = Field(
+    claim_ttl_s: Annotated[float, Field(ge=CLAIM_TTL_S.low, le=CLAIM_TTL_S.high)] = Field(
         120, validation_alias=_env("AGENT_DISPATCH_CLAIM_TTL_S")
     )
     renew_interval_s: Annotated[float, Field(ge=0.1)] = Field(
@@ -104,10 +131,10 @@ class Settings(BaseSettings):
     visibility_timeout_s: Annotated[float, Field(ge=1, le=RTO_S)] | None = Field(
         None, validation_alias=_env("AGENT_DISPATCH_VISIBILITY_TIMEOUT_S")
     )
-    sweep_interval_s: Annotated[float, Field(ge=0.1, le=RTO_S)] = Field(
+    sweep_interval_s: Annotated[float, Field(ge=0.1, le=SWEEP_INTERVAL_S.high)] = Field(
         15, validation_alias=_env("AGENT_DISPATCH_SWEEP_INTERVAL_S")
     )
-    max_attempts: Annotated[int, Field(ge=1, le=100)] = Field(
+    max_attempts: Annotated[int, Field(ge=MAX_ATTEMPTS.low, le=MAX_ATTEMPTS.high)] = Field(
         5, validation_alias=_env("AGENT_DISPATCH_MAX_ATTEMPTS")
     )
     max_payload_bytes: Annotated[int, Field(ge=1, le=64 * 1024 * 1024)] = Field(
@@ -117,9 +144,12 @@ class Settings(BaseSettings):
     kafka_bootstrap_servers: str | None = Field(
         None, validation_alias=_env("KAFKA_BOOTSTRAP_SERVERS"), validate_default=True
     )
-    kafka_topic: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,249}$")] = Field(
-        "agent_turns", validation_alias=_env("AGENT_DISPATCH_KAFKA_TOPIC")
-    )
+    kafka_topic: Annotated[
+        str,
+        Field(
+            pattern=KAFKA_TOPIC_PATTERN, min_length=KAFKA_TOPIC_LENGTH.low, max_length=KAFKA_TOPIC_LENGTH.high
+        ),
+    ] = Field("agent_turns", validation_alias=_env("AGENT_DISPATCH_KAFKA_TOPIC"))
     kafka_group: Annotated[str, Field(min_length=1, max_length=255)] = Field(
         "agent-dispatch", validation_alias=_env("AGENT_DISPATCH_KAFKA_GROUP")
     )
@@ -128,7 +158,7 @@ class Settings(BaseSettings):
         default_factory=lambda: Path(platformdirs.user_data_dir("agent-dispatch", appauthor=False)),
         validation_alias=_env("AGENT_DISPATCH_DATA_DIR"),
     )
-    log_level: Annotated[str, Field(pattern=r"^(DEBUG|INFO|WARNING|ERROR)$")] = Field(
+    log_level: Annotated[str, Field(pattern=f"^({'|'.join(LOG_LEVELS)})$")] = Field(
         "INFO", validation_alias=_env("AGENT_DISPATCH_LOG_LEVEL")
     )
     log_format: LogFormat = Field(LogFormat.JSON, validation_alias=_env("AGENT_DISPATCH_LOG_FORMAT"))
@@ -136,22 +166,22 @@ class Settings(BaseSettings):
         9464, validation_alias=_env("AGENT_DISPATCH_METRICS_PORT")
     )
 
-    concurrency: Annotated[int, Field(ge=1, le=256)] = Field(
+    concurrency: Annotated[int, Field(ge=CONCURRENCY.low, le=CONCURRENCY.high)] = Field(
         4, validation_alias=_env("AGENT_DISPATCH_CONCURRENCY")
     )
     claim_batch: Annotated[int, Field(ge=1, le=256)] = Field(
         16, validation_alias=_env("AGENT_DISPATCH_CLAIM_BATCH")
     )
-    executor: Annotated[str, Field(pattern=r"^(noop|sleep|http|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")] = Field(
+    executor: Annotated[str, Field(pattern=EXECUTOR_PATTERN)] = Field(
         "noop", validation_alias=_env("AGENT_DISPATCH_EXECUTOR")
     )
-    executor_url: Annotated[str, Field(pattern=r"^https?://\S+$")] | None = Field(
+    executor_url: Annotated[str, Field(pattern=EXECUTOR_URL_PATTERN)] | None = Field(
         None, validation_alias=_env("AGENT_DISPATCH_EXECUTOR_URL"), validate_default=True
     )
-    executor_timeout_s: Annotated[float, Field(ge=0.1, le=3600)] = Field(
+    executor_timeout_s: Annotated[float, Field(ge=0.1, le=EXECUTOR_TIMEOUT_S.high)] = Field(
         300, validation_alias=_env("AGENT_DISPATCH_EXECUTOR_TIMEOUT_S")
     )
-    shutdown_grace_s: Annotated[float, Field(ge=0, le=3600)] = Field(
+    shutdown_grace_s: Annotated[float, Field(ge=SHUTDOWN_GRACE_S.low, le=SHUTDOWN_GRACE_S.high)] = Field(
         30, validation_alias=_env("AGENT_DISPATCH_SHUTDOWN_GRACE_S")
     )
     instance: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")] | None = Field(

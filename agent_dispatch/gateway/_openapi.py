@@ -175,7 +175,12 @@ def _paths(settings: Settings) -> dict[str, Any]:
                         "name": "limit",
                         "in": "query",
                         "required": False,
-                        "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": DEFAULT_PAGE},
+                        "schema": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": MAX_PAGE,
+                            "default": DEFAULT_PAGE,
+                        },
                     },
                     {
                         "name": "after",
@@ -230,7 +235,9 @@ def _operations() -> dict[str, Any]:
     anything = _json({"type": "object"})
 
     def get(operation_id: str, summary: str, responses: dict[str, Any]) -> dict[str, Any]:
-        return {"get": {"operationId": operation_id, "summary": summary, "security": [], "responses": responses}}
+        return {
+            "get": {"operationId": operation_id, "summary": summary, "security": [], "responses": responses}
+        }
 
     return {
         "/healthz": get("healthz", "Liveness", {"200": {"description": "Alive", "content": anything}}),

@@ -1,23 +1,50 @@
-"""The AgentDispatch spec as typed values, with the CRD's defaults.
+"""The AgentDispatch spec as a pydantic model: camelCase aliases, the CRD's defaults and bounds.
 
-The API server applies the CRD defaults before the operator sees an object, but the operator
-applies them again here so the pure functions give the same answer for a spec written by hand
-(unit tests, a dry run, an object stored before a default was added).
+This model is the operator's one description of a spec's fields. Bounds shared with the process
+settings (claim TTL within the RTO, partitions, depth, attempts, ...) are read from
+:mod:`agent_dispatch.settings`, and ``tests/test_operator_spec.py`` checks the CRD's schema
+(``crds/agentdispatch.yaml``) against this model field by field, so the three cannot disagree.
+Rules across fields (renew below the TTL, a DSN for postgres, partitions grow-only) are the CRD's
+CEL rules, repeated by :mod:`agent_dispatch.operator._validate`.
+
+The API server applies the CRD defaults before the operator sees an object, but the model
+applies them again so the pure functions give the same answer for a spec written by hand (unit
+tests, a dry run, an object stored before a default was added).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Annotated, Any, Final, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.alias_generators import to_camel
 
 from agent_dispatch import k8s_names
+from agent_dispatch.settings import (
+    CLAIM_TTL_S,
+    CONCURRENCY,
+    EXECUTOR_PATTERN,
+    EXECUTOR_TIMEOUT_S,
+    EXECUTOR_URL_PATTERN,
+    KAFKA_TOPIC_LENGTH,
+    KAFKA_TOPIC_PATTERN,
+    MAX_ATTEMPTS,
+    MAX_DEPTH,
+    PARTITIONS,
+    RTO_S,
+    SHUTDOWN_GRACE_S,
+    SWEEP_INTERVAL_S,
+    Bound,
+    LogLevel,
+)
 
-BACKENDS: Final = ("kafka", "postgres", "sqlite")
-AUTOSCALING_MODES: Final = ("none", "hpa", "keda")
+Backend = Literal["kafka", "postgres", "sqlite"]
+AutoscalingMode = Literal["none", "hpa", "keda"]
+BACKENDS: Final = get_args(Backend)
+AUTOSCALING_MODES: Final = get_args(AutoscalingMode)
 
-#: The recovery-time objective (the same number as settings.RTO_S, kept as a literal in the CRD).
-RTO_S: Final = 300
+__all__ = ["RTO_S", "DispatchSpec", "InvalidSpec", "parse"]
 
 #: Environment the operator derives from the spec; a user's spec.worker.env must not set these
 #: (the CRD rejects it too). The list is also the CRD's CEL list; a unit test keeps them equal.
@@ -51,173 +78,141 @@ RESERVED_ENV: Final = (
 #: Rendered object names append "-worker"; a Service name is a DNS-1035 label of at most 63.
 MAX_NAME_LENGTH: Final = 63 - len("-worker")
 
+REF_NAME_PATTERN: Final = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+REF_KEY_PATTERN: Final = r"^[-._a-zA-Z0-9]+$"
+HOST_PORT_LIST_PATTERN: Final = r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}(,[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5})*$"
 
-@dataclass(frozen=True)
-class SecretRef:
-    name: str
-    key: str
+
+def _in(bound: Bound, default: int | None, **kwargs: Any) -> Any:
+    """A field bounded by a range shared with the settings."""
+    return Field(default, ge=bound.low, le=bound.high, **kwargs)
+
+
+def _count(low: int, high: int, default: int | None, **kwargs: Any) -> Any:
+    return Field(default, ge=low, le=high, **kwargs)
+
+
+class _Part(BaseModel):
+    # strict: "60" for an integer or 1 for a string is a mistake to report, not to coerce.
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, frozen=True, strict=True, extra="ignore"
+    )
+
+
+Text253 = Annotated[str, Field(min_length=1, max_length=253)]
+
+
+class SecretRef(_Part):
+    name: Annotated[Text253, Field(pattern=REF_NAME_PATTERN)]
+    key: Annotated[Text253, Field(pattern=REF_KEY_PATTERN)]
 
     def as_env_source(self) -> dict[str, Any]:
         return {"secretKeyRef": {"name": self.name, "key": self.key}}
 
 
-@dataclass(frozen=True)
-class Executor:
-    name: str = "noop"
-    url: str | None = None
-    timeout_s: int | None = None
+class Executor(_Part):
+    name: str = Field("noop", min_length=1, max_length=512, pattern=EXECUTOR_PATTERN)
+    url: str | None = Field(None, max_length=2048, pattern=EXECUTOR_URL_PATTERN)
+    timeout_s: int | None = _in(EXECUTOR_TIMEOUT_S, None, alias="timeoutSeconds")
 
 
-@dataclass(frozen=True)
-class Worker:
-    image: str = ""
-    image_pull_policy: str = "IfNotPresent"
-    replicas: int = 1
-    concurrency: int = 4
-    executor: Executor = field(default_factory=Executor)
-    env: list[dict[str, Any]] = field(default_factory=list)
-    resources: dict[str, Any] = field(
-        default_factory=lambda: {
-            "requests": {"cpu": "100m", "memory": "128Mi"},
-            "limits": {"memory": "512Mi"},
-        }
-    )
-    metrics_port: int = 9464
-    log_level: str = "INFO"
-    service_account_name: str | None = None
-    shutdown_grace_s: int = 30
-    pod_annotations: dict[str, str] = field(default_factory=dict)
-    pod_labels: dict[str, str] = field(default_factory=dict)
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = field(default_factory=list)
-    affinity: dict[str, Any] = field(default_factory=dict)
-    priority_class_name: str | None = None
+#: A plain default, not a factory, so the JSON schema (and the CRD check) sees it; pydantic copies it.
+DEFAULT_RESOURCES: Final = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 
 
-@dataclass(frozen=True)
-class Autoscaling:
-    mode: str = "none"
-    min_replicas: int = 1
-    max_replicas: int = 10
-    target_depth_per_replica: int = 10
-    polling_interval_s: int = 30
-    cooldown_s: int = 300
-    postgresql_query: str | None = None
+class Worker(_Part):
+    image: str = Field(min_length=1, max_length=1024)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    replicas: int = _count(0, 1000, 1)
+    concurrency: int = _in(CONCURRENCY, 4)
+    executor: Executor = Field(default_factory=lambda: Executor.model_validate({}))
+    # Kubernetes EnvVar objects, passed through as written (only their names are checked).
+    env: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    resources: dict[str, Any] = Field(DEFAULT_RESOURCES)
+    metrics_port: int = _count(1, 65535, 9464)
+    log_level: LogLevel = "INFO"
+    service_account_name: str | None = Field(None, max_length=253)
+    shutdown_grace_s: int = _in(SHUTDOWN_GRACE_S, 30, alias="shutdownGraceSeconds")
+    pod_annotations: dict[str, str] = Field(default_factory=dict)
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    priority_class_name: str | None = Field(None, max_length=253)
+
+    @field_validator("env")
+    @classmethod
+    def _named(cls, env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for item in env:
+            name = item.get("name")
+            if not isinstance(name, str) or not 1 <= len(name) <= 256:
+                raise ValueError("every entry needs a name of 1 to 256 characters")
+        return env
+
+
+class Autoscaling(_Part):
+    mode: AutoscalingMode = "none"
+    min_replicas: int = _count(0, 1000, 1)
+    max_replicas: int = _count(1, 1000, 10)
+    target_depth_per_replica: int = _count(1, 1_000_000, 10)
+    polling_interval_s: int = _count(1, 3600, 30, alias="pollingIntervalSeconds")
+    cooldown_s: int = _count(0, 86400, 300, alias="cooldownSeconds")
+    postgresql_query: str | None = Field(None, max_length=4096)
 
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
 
 
-@dataclass(frozen=True)
-class Kafka:
-    bootstrap_servers: str | None = None
-    bootstrap_servers_secret: SecretRef | None = None
-    topic: str = "agent_turns"
-    consumer_group: str = "agent-dispatch"
-    replication_factor: int | None = None
+class Kafka(_Part):
+    bootstrap_servers: str | None = Field(None, min_length=1, max_length=2048, pattern=HOST_PORT_LIST_PATTERN)
+    bootstrap_servers_secret: SecretRef | None = Field(None, alias="bootstrapServersSecretRef")
+    topic: str = Field(
+        "agent_turns",
+        min_length=KAFKA_TOPIC_LENGTH.low,
+        max_length=KAFKA_TOPIC_LENGTH.high,
+        pattern=KAFKA_TOPIC_PATTERN,
+    )
+    consumer_group: str = Field("agent-dispatch", min_length=1, max_length=255)
+    replication_factor: int | None = _count(1, 32, None)
 
 
-@dataclass(frozen=True)
-class DispatchSpec:
-    backend: str = "postgres"
-    partitions: int = 6
-    max_depth: int = 100_000
-    claim_ttl_s: int = 120
-    renew_interval_s: int = 30
-    sweep_interval_s: int | None = None
-    max_attempts: int | None = None
-    signing_key_secret: SecretRef | None = None
-    dsn_secret: SecretRef | None = None
+class Postgres(_Part):
+    dsn_secret: SecretRef | None = Field(None, alias="dsnSecretRef")
+
+
+class DispatchSpec(_Part):
+    backend: Backend = "postgres"
+    partitions: int = _in(PARTITIONS, 6)
+    max_depth: int = _in(MAX_DEPTH, 100_000)
+    claim_ttl_s: int = _in(CLAIM_TTL_S, 120, alias="claimTtlSeconds")
+    # Its ceiling is the claim TTL: a rule across fields (CEL in the CRD, _validate here).
+    renew_interval_s: int = Field(30, ge=1, alias="renewIntervalSeconds")
+    sweep_interval_s: int | None = _in(SWEEP_INTERVAL_S, None, alias="sweepIntervalSeconds")
+    max_attempts: int | None = _in(MAX_ATTEMPTS, None)
+    signing_key_secret: SecretRef | None = Field(None, alias="signingKeySecretRef")
+    postgres: Postgres | None = None
     kafka: Kafka | None = None
-    worker: Worker = field(default_factory=Worker)
-    autoscaling: Autoscaling = field(default_factory=Autoscaling)
+    worker: Worker
+    autoscaling: Autoscaling = Field(default_factory=lambda: Autoscaling.model_validate({}))
+
+    @property
+    def dsn_secret(self) -> SecretRef | None:
+        return self.postgres.dsn_secret if self.postgres is not None else None
 
 
-def _ref(raw: Any) -> SecretRef | None:
-    if not isinstance(raw, Mapping):
-        return None
-    return SecretRef(name=str(raw.get("name", "")), key=str(raw.get("key", "")))
+class InvalidSpec(ValueError):
+    """The spec's fields do not fit the model; ``errors`` are pydantic's, located by alias."""
 
-
-def _int(raw: Mapping[str, Any], key: str, default: int) -> int:
-    value = raw.get(key, default)
-    # A bool is an int to Python but never a valid count here; keep it visible to validation.
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _opt_int(raw: Mapping[str, Any], key: str) -> int | None:
-    value = raw.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _map(raw: Any) -> dict[str, Any]:
-    return dict(raw) if isinstance(raw, Mapping) else {}
+    def __init__(self, error: ValidationError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def parse(spec: Mapping[str, Any]) -> DispatchSpec:
-    """Typed view of ``spec`` with the CRD defaults filled in. Never raises: what cannot be read
-    falls back to a default here and is reported by :func:`agent_dispatch.operator._validate.validate`."""
-    worker_raw = _map(spec.get("worker"))
-    executor_raw = _map(worker_raw.get("executor"))
-    defaults = Worker()
-    worker = Worker(
-        image=str(worker_raw.get("image", "")),
-        image_pull_policy=str(worker_raw.get("imagePullPolicy", defaults.image_pull_policy)),
-        replicas=_int(worker_raw, "replicas", defaults.replicas),
-        concurrency=_int(worker_raw, "concurrency", defaults.concurrency),
-        executor=Executor(
-            name=str(executor_raw.get("name", "noop")),
-            url=executor_raw.get("url") or None,
-            timeout_s=_opt_int(executor_raw, "timeoutSeconds"),
-        ),
-        env=[dict(item) for item in worker_raw.get("env", []) or [] if isinstance(item, Mapping)],
-        resources=_map(worker_raw["resources"]) if "resources" in worker_raw else defaults.resources,
-        metrics_port=_int(worker_raw, "metricsPort", defaults.metrics_port),
-        log_level=str(worker_raw.get("logLevel", defaults.log_level)),
-        service_account_name=worker_raw.get("serviceAccountName") or None,
-        shutdown_grace_s=_int(worker_raw, "shutdownGraceSeconds", defaults.shutdown_grace_s),
-        pod_annotations={str(k): str(v) for k, v in _map(worker_raw.get("podAnnotations")).items()},
-        pod_labels={str(k): str(v) for k, v in _map(worker_raw.get("podLabels")).items()},
-        node_selector={str(k): str(v) for k, v in _map(worker_raw.get("nodeSelector")).items()},
-        tolerations=[dict(t) for t in worker_raw.get("tolerations", []) or [] if isinstance(t, Mapping)],
-        affinity=_map(worker_raw.get("affinity")),
-        priority_class_name=worker_raw.get("priorityClassName") or None,
-    )
-    auto_raw = _map(spec.get("autoscaling"))
-    auto_defaults = Autoscaling()
-    autoscaling = Autoscaling(
-        mode=str(auto_raw.get("mode", auto_defaults.mode)),
-        min_replicas=_int(auto_raw, "minReplicas", auto_defaults.min_replicas),
-        max_replicas=_int(auto_raw, "maxReplicas", auto_defaults.max_replicas),
-        target_depth_per_replica=_int(
-            auto_raw, "targetDepthPerReplica", auto_defaults.target_depth_per_replica
-        ),
-        polling_interval_s=_int(auto_raw, "pollingIntervalSeconds", auto_defaults.polling_interval_s),
-        cooldown_s=_int(auto_raw, "cooldownSeconds", auto_defaults.cooldown_s),
-        postgresql_query=auto_raw.get("postgresqlQuery") or None,
-    )
-    kafka: Kafka | None = None
-    if "kafka" in spec:
-        kafka_raw = _map(spec.get("kafka"))
-        kafka = Kafka(
-            bootstrap_servers=kafka_raw.get("bootstrapServers") or None,
-            bootstrap_servers_secret=_ref(kafka_raw.get("bootstrapServersSecretRef")),
-            topic=str(kafka_raw.get("topic", "agent_turns")),
-            consumer_group=str(kafka_raw.get("consumerGroup", "agent-dispatch")),
-            replication_factor=_opt_int(kafka_raw, "replicationFactor"),
-        )
-    return DispatchSpec(
-        backend=str(spec.get("backend", "postgres")),
-        partitions=_int(spec, "partitions", 6),
-        max_depth=_int(spec, "maxDepth", 100_000),
-        claim_ttl_s=_int(spec, "claimTtlSeconds", 120),
-        renew_interval_s=_int(spec, "renewIntervalSeconds", 30),
-        sweep_interval_s=_opt_int(spec, "sweepIntervalSeconds"),
-        max_attempts=_opt_int(spec, "maxAttempts"),
-        signing_key_secret=_ref(spec.get("signingKeySecretRef")),
-        dsn_secret=_ref(_map(spec.get("postgres")).get("dsnSecretRef")),
-        kafka=kafka,
-        worker=worker,
-        autoscaling=autoscaling,
-    )
+    """Typed view of ``spec`` with the CRD defaults filled in; :class:`InvalidSpec` when a field
+    is malformed. Rules across fields are :func:`agent_dispatch.operator._validate.validate`'s."""
+    try:
+        return DispatchSpec.model_validate(dict(spec))
+    except ValidationError as exc:
+        raise InvalidSpec(exc) from None
