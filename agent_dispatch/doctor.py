@@ -115,6 +115,17 @@ def overall(checks: Iterable[Check]) -> Status:
     return "fail" if "fail" in statuses else "warn" if "warn" in statuses else "ok"
 
 
+def exit_code(checks: Iterable[Check]) -> int:
+    """The CLI's exit code for a report, by the one rule (:mod:`agent_dispatch.runtime`): 3 when a
+    required service was unreachable, 1 for any other failure, else 0."""
+    from agent_dispatch.runtime import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
+
+    failed = [c for c in checks if c.status == "fail"]
+    if any(c.data.get("unreachable") for c in failed):
+        return EXIT_UNAVAILABLE
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
 # --- redaction -------------------------------------------------------------------------------
 
 _PATH = re.compile(r"(?<![\w.:/-])(?:~|\.{1,2})?/(?:[^\s/'\",;:)]+/?)+")
@@ -212,14 +223,14 @@ def _sqlite_missing(settings: Settings) -> Check | None:
 
 def transport_probe(settings: Settings) -> Iterable[Check]:
     """Reachability, queue depth against the bound, and (Kafka) the topic's partitions."""
-    from agent_dispatch import transports
     from agent_dispatch.errors import DepthUnavailable
+    from agent_dispatch.runtime import open_transport
 
     missing = _sqlite_missing(settings)
     if missing is not None:
         return [missing]
     backend = settings.backend.value
-    transport = transports.open_transport(settings)
+    transport = open_transport(settings)
     try:
         try:
             depth = transport.depth()
@@ -253,13 +264,13 @@ def _kafka_partitions(settings: Settings) -> int | None:
 
 def schema_probe(settings: Settings) -> Iterable[Check]:
     """The WorkItem schema is at the version this code needs (else: run `agent-dispatch migrate`)."""
-    from agent_dispatch import stores
     from agent_dispatch.errors import SchemaOutdated
+    from agent_dispatch.runtime import open_store
     from agent_dispatch.store import SCHEMA_VERSION
 
     if settings.state_db_uri is None and not settings.sqlite_path.exists():
         return [Check("schema", "warn", "no local database yet; `agent-dispatch migrate` creates it")]
-    store = stores.open_store(settings)
+    store = open_store(settings)
     try:
         # Any read checks the schema version first; a tenant nobody has keeps it O(1).
         store.list_items(tenant="doctor.schema-probe", limit=1)
@@ -273,7 +284,7 @@ def schema_probe(settings: Settings) -> Iterable[Check]:
 def heartbeat_probe(settings: Settings) -> Iterable[Check]:
     """Worker heartbeats from their coordination.k8s.io Leases, when this process can see the cluster."""
     from agent_dispatch import k8s_names
-    from agent_dispatch.worker._heartbeat import kube_api_client
+    from agent_dispatch.worker import kube_api_client
 
     if not (settings.instance and settings.namespace):
         return [
@@ -321,11 +332,15 @@ def run_probes(
     """Run probes concurrently; one that fails or overruns the deadline becomes a failed check."""
     results: dict[int, list[Check]] = {}
 
+    from agent_dispatch.runtime import EXIT_UNAVAILABLE, StartupError, exit_code_for
+
     def attempt(index: int, probe: Probe) -> None:
         try:
             results[index] = list(probe(settings))
         except Exception as exc:  # a probe that breaks is itself a finding, never a crash
-            results[index] = [Check(_probe_name(probe), "fail", f"{type(exc).__name__}: {exc}")]
+            detail = str(exc) if isinstance(exc, StartupError) else f"{type(exc).__name__}: {exc}"
+            data = {"unreachable": True} if exit_code_for(exc) == EXIT_UNAVAILABLE else {}
+            results[index] = [Check(_probe_name(probe), "fail", detail, data)]
 
     # Daemon threads, not a pool: a probe stuck in a driver must not keep the process alive.
     threads = [
@@ -343,7 +358,10 @@ def run_probes(
         checks.extend(
             found
             if found is not None
-            else [Check(_probe_name(probe), "fail", f"no answer within {timeout_s:g}s")]
+            # A service that does not answer in time is as unusable as one that refuses.
+            else [
+                Check(_probe_name(probe), "fail", f"no answer within {timeout_s:g}s", {"unreachable": True})
+            ]
         )
     return checks
 

@@ -7,4 +7,5 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q -e .
+echo "agent-dispatch is installed in .venv/bin (source .venv/bin/activate to put it on your PATH)"
 exec .venv/bin/agent-dispatch up "$@"

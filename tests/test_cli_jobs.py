@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -193,3 +194,43 @@ def test_gateway_command_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_every_jobs_action_the_readme_names_exists() -> None:
+    """A newcomer types what the README says: `jobs show ID` works, as does `jobs status ID`."""
+    from agent_dispatch.cli import build_parser
+
+    readme = (REPO / "README.md").read_text()
+    named = set(re.findall(r"jobs (\w+)", readme)) | {"show", "status"}
+    parser = build_parser()
+    for action in sorted(named):
+        parsed = None
+        for argv in (["jobs", action, "job-1"], ["jobs", action]):
+            try:
+                parsed = parser.parse_args(argv)
+                break
+            except SystemExit:
+                continue
+        assert parsed is not None, f"README names `jobs {action}`, which is no subcommand"
+
+
+def test_jobs_show_prints_the_status(gw: Running) -> None:
+    submitted = cli("submit", env=remote(gw))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = json.loads(submitted.stdout)["job_id"]
+    shown = cli("jobs", "show", job_id, env=remote(gw))
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["job_id"] == job_id
+
+
+def test_the_readme_says_where_run_sh_installs_the_command_line() -> None:
+    """run.sh installs into .venv/bin (not on PATH): the README must say how to reach it."""
+    script = (REPO / "scripts" / "run.sh").read_text()
+    assert ".venv/bin/agent-dispatch" in script
+    readme = (REPO / "README.md").read_text()
+    quick_start = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert ".venv/bin/agent-dispatch submit" in quick_start
+    assert "source .venv/bin/activate" in quick_start

@@ -166,7 +166,7 @@ def test_doctor_against_a_real_postgres_hides_user_host_and_paths(
     }
     proc = run_doctor(env, *fmt)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out  # the store and transport cannot be used: a failure found
+    assert proc.returncode == 3, out  # the store and transport cannot be used: a service unreachable
     assert "<redacted>" in out
     for needle in [
         "doctor-secret-role",
@@ -202,3 +202,30 @@ def test_doctor_counts_worker_heartbeats_from_their_leases(
     assert check.status == "ok"
     assert check.data == {"live": 1, "stale": 1}  # another instance's workers do not count
     assert check.detail == "1 live workers, 1 stale"
+
+
+@pytest.mark.parametrize("fmt", [(), ("--json",)])
+def test_doctor_with_an_unreachable_database_exits_3(tmp_path: Path, fmt: tuple[str, ...]) -> None:
+    """The README's exit code for an unreachable service, not 1 (a failure found)."""
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        "STATE_DB_URI": f"postgresql://nobody@127.0.0.1:{port}/nowhere?connect_timeout=2",
+        "AGENT_DISPATCH_SIGNING_KEY": "k" * 40,
+        "AGENT_DISPATCH_DATA_DIR": str(tmp_path),
+    }
+    proc = run_doctor(env, *fmt)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    if fmt:
+        report = json.loads(proc.stdout)
+        failed = [c for c in report["checks"] if c["status"] == "fail"]
+        assert failed and all(c["data"].get("unreachable") for c in failed), failed
+
+
+def test_exit_code_of_a_report() -> None:
+    ok = doctor.Check("a", "ok", "")
+    assert doctor.exit_code([ok, doctor.Check("b", "warn", "")]) == 0
+    assert doctor.exit_code([ok, doctor.Check("b", "fail", "")]) == 1
+    down = doctor.Check("c", "fail", "", {"unreachable": True})
+    assert doctor.exit_code([doctor.Check("b", "fail", ""), down]) == 3

@@ -150,10 +150,10 @@ def test_up_runs_the_demo_and_a_curl_turn(
     listed = http(curl, "GET", f"{url}/api/graph/jobs?state=succeeded", token)["jobs"]
     assert handle["job_id"] in {j["job_id"] for j in listed} and len(listed) == 2  # the demo turn + ours
 
-    # Ctrl-C stops it cleanly, with exit code 0.
+    # Ctrl-C stops it cleanly, with the README's exit code for an interruption.
     proc.send_signal(signal.SIGINT)
     lines.until(r"^Stopped\.$", timeout=60)
-    assert proc.wait(timeout=60) == 0
+    assert proc.wait(timeout=60) == 130
 
 
 def test_up_twice_on_the_same_data_directory(tmp_path: Path) -> None:
@@ -180,3 +180,45 @@ def test_up_twice_on_the_same_data_directory(tmp_path: Path) -> None:
     assert tokens[0] != tokens[1]
     stored = (tmp_path / "tokens.yaml").read_text()
     assert tokens[0] not in stored and tokens[1] not in stored
+
+
+def test_a_second_up_on_a_taken_port_writes_nothing(tmp_path: Path) -> None:
+    """The README's second `bash scripts/run.sh` while one runs: it exits 3, and the running one's
+    printed token keeps working (the tokens file is not rewritten before the port is bound)."""
+    env = {**BASE_ENV, "AGENT_DISPATCH_DATA_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "agent_dispatch.cli", "up", "--port", "0", "--no-demo"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = Lines(first)
+        url = lines.until(r"gateway: (http://\S+)").group(1)
+        token = lines.until(r"token:\s+(\S+)").group(1)
+        lines.until(r"Serving\.")
+        tokens_file = tmp_path / "tokens.yaml"
+        before = (tokens_file.read_bytes(), tokens_file.stat().st_mtime_ns)
+
+        port = url.rsplit(":", 1)[1]
+        second = subprocess.run(
+            [sys.executable, "-m", "agent_dispatch.cli", "up", "--port", port, "--no-demo"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert second.returncode == 3, second.stdout + second.stderr
+        assert f"cannot listen on port {port}" in second.stderr
+        assert "token:" not in second.stdout  # no token was issued, so none is shown
+        assert (tokens_file.read_bytes(), tokens_file.stat().st_mtime_ns) == before
+        assert http(None, "GET", f"{url}/api/graph/jobs", token)["jobs"] == []
+
+        first.send_signal(signal.SIGTERM)  # how a service manager stops it: a clean stop, 0
+        assert first.wait(timeout=60) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(timeout=30)

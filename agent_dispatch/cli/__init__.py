@@ -1,8 +1,8 @@
 """The ``agent-dispatch`` command line.
 
-Exit codes: 0 success; 1 the command ran and found a failure (a failed doctor check, a job
-that failed); 2 bad usage or an invalid setting (one line names it); 3 a required service
-is unreachable; 130 interrupted.
+Exit codes (one rule for every command, :mod:`agent_dispatch.runtime`): 0 success; 1 the command
+ran and found a failure (a failed doctor check, a job that failed); 2 bad usage or an invalid
+setting (one line names it); 3 a required service is unreachable; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -12,12 +12,26 @@ import sys
 from collections.abc import Callable, Sequence
 
 from agent_dispatch.cli import _gateway, _jobs, _submit, _up, _worker
+from agent_dispatch.runtime import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    StartupError,
+)
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-EXIT_UNAVAILABLE = 3
-EXIT_INTERRUPTED = 130
+__all__ = [
+    "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_UNAVAILABLE",
+    "EXIT_USAGE",
+    "build_parser",
+    "main",
+    "operator_main",
+    "worker_main",
+]
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -97,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.handler(args)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except StartupError as exc:  # a handler that let one through still exits by the one rule
+        print(f"agent-dispatch {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
     return code
 
 

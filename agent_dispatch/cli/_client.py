@@ -6,23 +6,26 @@ same thing either way. Failures become :class:`ClientError` carrying the CLI exi
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from pydantic import ValidationError
-
-# Imported by command handlers only after agent_dispatch.cli has loaded, so this is not circular.
-from agent_dispatch.cli import EXIT_FAILURE, EXIT_UNAVAILABLE, EXIT_USAGE
+from agent_dispatch.models import TERMINAL
+from agent_dispatch.runtime import (
+    EXIT_FAILURE,
+    EXIT_UNAVAILABLE,
+    Runtime,
+    StartupError,
+    open_runtime,
+)
 from agent_dispatch.settings import Settings
 
-#: HTTP status -> CLI exit code: the caller's mistake is usage (2), an outage is 3, a refusal 1.
-_EXIT_FOR_STATUS = {400: EXIT_USAGE, 401: EXIT_USAGE, 413: EXIT_USAGE, 422: EXIT_USAGE, 503: EXIT_UNAVAILABLE}
 TIMEOUT_S = 30.0
 
 
@@ -103,6 +106,8 @@ class HttpClient:
 
 
 def _http_error(exc: urllib.error.HTTPError) -> ClientError:
+    from agent_dispatch.gateway.service import EXIT_FOR_STATUS
+
     detail = exc.reason
     with contextlib.suppress(ValueError, AttributeError):
         body = json.loads(exc.read())
@@ -111,140 +116,89 @@ def _http_error(exc: urllib.error.HTTPError) -> ClientError:
         retry = exc.headers.get("Retry-After", "1")
         detail = f"{detail} (Retry-After: {retry}s)"
     return ClientError(
-        f"HTTP {exc.code}: {detail}", _EXIT_FOR_STATUS.get(exc.code, EXIT_FAILURE), status=exc.code
+        f"HTTP {exc.code}: {detail}", EXIT_FOR_STATUS.get(exc.code, EXIT_FAILURE), status=exc.code
     )
 
 
 class DirectClient:
-    """No gateway: the same validation and enqueue path, straight against the configured store."""
+    """No gateway: the gateway's own service (validation, admission, pagination, tenant scoping),
+    straight against the configured store."""
 
     def __init__(self, settings: Settings, tenant: str) -> None:
-        from agent_dispatch import keys, stores, transports
-        from agent_dispatch.errors import BackendUnavailable, SchemaOutdated
+        from agent_dispatch.gateway.service import JobService
 
         self.settings = settings
         self.tenant = tenant
         try:
-            self.signing_key = keys.signing_key(settings)
-        except keys.SigningKeyMissing as exc:
-            raise ClientError(str(exc), EXIT_USAGE) from None
-        try:
-            self.store = stores.open_store(settings)
-        except (BackendUnavailable, SchemaOutdated) as exc:
-            raise ClientError(str(exc), _exit_for(exc)) from None
-        self._transport: Any = None
-        self._open_transport = transports.open_transport
+            # The transport is opened only to submit: reading or cancelling jobs needs the store alone.
+            self.runtime: Runtime = open_runtime(settings, transport=False)
+        except StartupError as exc:
+            raise ClientError(str(exc), exc.exit_code) from None
+        self.store = self.runtime.store
+        self.service = JobService(settings, self.store, lambda: self.runtime.admission)
 
-    @property
-    def transport(self) -> Any:
-        # Opened only to submit: reading or cancelling jobs needs the store alone.
-        if self._transport is None:
-            self._transport = self._guard(self._open_transport, self.settings)
-        return self._transport
-
-    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        from agent_dispatch.errors import (
-            BackendUnavailable,
-            DepthUnavailable,
-            IdempotencyConflict,
-            InvalidRequest,
-            InvalidTransition,
-            NotFound,
-            PayloadTooLarge,
-            QueueFull,
-            SchemaOutdated,
-        )
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        from agent_dispatch.gateway.service import ServiceError
 
         try:
-            return fn(*args, **kwargs)
-        except NotFound:
-            raise ClientError("no such job", EXIT_FAILURE, status=404) from None
-        except QueueFull:
-            raise ClientError(
-                "the queue is at its depth bound; retry later", EXIT_FAILURE, status=429
-            ) from None
-        except DepthUnavailable:
-            raise ClientError(
-                "queue depth cannot be measured; retry later", EXIT_UNAVAILABLE, status=503
-            ) from None
-        except (PayloadTooLarge, InvalidRequest) as exc:
-            raise ClientError(str(exc), EXIT_USAGE, status=422) from None
-        except IdempotencyConflict:
-            raise ClientError(
-                "this idempotency key was already used for a different request", EXIT_FAILURE, status=409
-            ) from None
-        except InvalidTransition as exc:
-            raise ClientError(str(exc), EXIT_FAILURE, status=409) from None
-        except (BackendUnavailable, SchemaOutdated) as exc:
-            raise ClientError(str(exc), _exit_for(exc)) from None
+            answer: dict[str, Any] = fn(*args, **kwargs).body()
+        except ServiceError as exc:
+            raise ClientError(exc.detail, exc.exit_code, status=exc.status) from None
+        except StartupError as exc:
+            raise ClientError(str(exc), exc.exit_code) from None
+        return answer
 
     def submit(self, turn: dict[str, Any], *, idempotency_key: str | None = None) -> dict[str, Any]:
-        from agent_dispatch import dispatch
-        from agent_dispatch.gateway import job_handle
-        from agent_dispatch.gateway._models import TurnBody
-        from agent_dispatch.store import check_payload
-
-        try:
-            body = TurnBody.model_validate(turn)
-        except ValidationError as exc:
-            first = exc.errors(include_url=False, include_input=False)[0]
-            field = ".".join(str(p) for p in first["loc"]) or "body"
-            raise ClientError(f"{field}: {first['msg']}", EXIT_USAGE, status=422) from None
-        payload = body.payload_bytes()
-        self._guard(check_payload, payload, self.settings.max_payload_bytes)
-        request = body.to_request(self.tenant, idempotency_key, datetime.now(UTC), payload)
-        result = self._guard(
-            lambda: dispatch.enqueue(
-                self.store, self.transport, request, signing_key=self.signing_key, settings=self.settings
-            )
-        )
-        return job_handle(result.item, created=result.created)
+        return self._guard(self.service.submit, self.tenant, turn, idempotency_key=idempotency_key)
 
     def status(self, job_id: str) -> dict[str, Any]:
-        from agent_dispatch import jobs
-
-        view: dict[str, Any] = self._guard(
-            jobs.graph_jobs, self.store, action="status", job_id=job_id, tenant=self.tenant
-        )
-        return view
+        return self._guard(self.service.status, self.tenant, job_id)
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        from agent_dispatch import jobs
-
-        view: dict[str, Any] = self._guard(
-            jobs.graph_jobs, self.store, action="cancel", job_id=job_id, tenant=self.tenant
-        )
-        return view
+        return self._guard(self.service.cancel, self.tenant, job_id)
 
     def list(
         self, *, states: Sequence[str] = (), limit: int = 100, after: str | None = None
     ) -> dict[str, Any]:
-        from agent_dispatch import jobs
-        from agent_dispatch.models import WorkState
-
-        wanted = [WorkState(s) for s in states]
-        items = self._guard(
-            self.store.list_items, tenant=self.tenant, states=wanted, limit=limit + 1, after=after
-        )
-        page = items[:limit]
-        return {
-            "jobs": [jobs.project(item) for item in page],
-            "next_after": page[-1].id if len(items) > limit else None,
-        }
+        return self._guard(self.service.list, self.tenant, states=states, limit=limit, after=after)
 
     def close(self) -> None:
-        if self._transport is not None:
-            with contextlib.suppress(Exception):
-                self._transport.close()
-        with contextlib.suppress(Exception):
-            self.store.close()
+        self.runtime.close()
 
 
-def _exit_for(exc: Exception) -> int:
-    from agent_dispatch.errors import SchemaOutdated
+def add_target_options(parser: argparse.ArgumentParser) -> None:
+    """Where jobs live: a gateway (URL + token) or, without a URL, the configured store."""
+    parser.add_argument(
+        "--url",
+        metavar="URL",
+        help="gateway URL (default: AGENT_DISPATCH_GATEWAY_URL; unset: the store directly)",
+    )
+    parser.add_argument(
+        "--token",
+        metavar="TOKEN",
+        help="bearer token for --url (default: AGENT_DISPATCH_TOKEN; prefer the variable)",
+    )
+    parser.add_argument(
+        "--tenant",
+        default="local",
+        metavar="TENANT",
+        help="tenant when talking to the store directly (default: local; a gateway takes it from the token)",
+    )
 
-    # A schema that needs `agent-dispatch migrate` is a finding (1); an unreachable service is 3.
-    return EXIT_FAILURE if isinstance(exc, SchemaOutdated) else EXIT_UNAVAILABLE
+
+def wait_terminal(
+    client: JobsClient, job_id: str, *, timeout_s: float, interval_s: float = 0.2
+) -> dict[str, Any]:
+    """Poll until the job is terminal; ClientError when it takes longer than ``timeout_s``."""
+    terminal = {state.value for state in TERMINAL}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        view: dict[str, Any] = client.status(job_id)
+        if view.get("state") in terminal:
+            return view
+        if time.monotonic() >= deadline:
+            raise ClientError(f"job {job_id} still {view.get('state')} after {timeout_s:g}s", EXIT_FAILURE)
+        time.sleep(interval_s)
 
 
 def open_client(settings: Settings, *, url: str | None, token: str | None, tenant: str) -> JobsClient:

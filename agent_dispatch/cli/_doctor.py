@@ -28,7 +28,7 @@ def run_doctor(args: argparse.Namespace) -> int:
                 for key, value in check.data.items():
                     print(f"{'':<{width}}        {key} = {value}")
         print(f"overall: {status}")
-    return 1 if status == "fail" else 0
+    return doctor.exit_code(checks)
 
 
 class _Redacting(logging.Filter):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Any
 
@@ -13,7 +14,7 @@ def register(sub: Any) -> None:
         help="run the HTTP gateway",
         description="Serve the HTTP API (POST /api/turns, /api/graph/jobs, /metrics, /openapi.json). "
         "Needs AGENT_DISPATCH_TOKENS_FILE. Exit 0 after a clean stop, 1 when the schema needs "
-        "`agent-dispatch migrate`, 2 for bad settings, 3 when the store or transport is unreachable.",
+        "`agent-dispatch migrate`, 2 for bad settings, 3 when the store or transport is unreachable, 130 after Ctrl-C.",
     )
     parser.add_argument("--host", help="listen address (default: AGENT_DISPATCH_GATEWAY_HOST, 127.0.0.1)")
     parser.add_argument(
@@ -28,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
     # Settings first: a bad value must be the only line printed, before anything else starts.
     settings = load_or_exit("agent-dispatch gateway")
     from agent_dispatch import _logging
-    from agent_dispatch.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
-    from agent_dispatch.gateway import GatewayServer, GatewayStartupError, open_components, wait_for_signal
+    from agent_dispatch.gateway import GatewayServer, open_components, wait_for_signal
+    from agent_dispatch.runtime import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, StartupError
 
     if args.port is not None and not 0 <= args.port <= 65535:
         print("agent-dispatch gateway: invalid option --port: allowed: 0 to 65535", file=sys.stderr)
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     _logging.configure(settings.log_level, settings.log_format.value)
     try:
         components = open_components(settings)
-    except GatewayStartupError as exc:
+    except StartupError as exc:
         print(f"agent-dispatch gateway: {exc}", file=sys.stderr)
         return exc.exit_code
     host = args.host or settings.gateway_host
@@ -51,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     print(f"agent-dispatch gateway: serving on {server.url}", flush=True)
     try:
-        wait_for_signal()
+        received = wait_for_signal()
     finally:
         server.stop()
         components.close()
-    return EXIT_OK
+    # SIGTERM is how a pod is told to stop (a clean stop); Ctrl-C is an interruption.
+    return EXIT_INTERRUPTED if received == signal.SIGINT else EXIT_OK

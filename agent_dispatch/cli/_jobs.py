@@ -1,4 +1,4 @@
-"""``agent-dispatch jobs status | cancel | list | watch``."""
+"""``agent-dispatch jobs status (or show) | cancel | list | watch``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ACTIVE = tuple(s for s in STATES if s not in TERMINAL)
 
 
 def register(sub: Any) -> None:
-    from agent_dispatch.cli._submit import add_target_options
+    from agent_dispatch.cli._client import add_target_options
 
     parser = sub.add_parser(
         "jobs",
@@ -28,7 +28,7 @@ def register(sub: Any) -> None:
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    status = actions.add_parser("status", help="print a job's status as JSON")
+    status = actions.add_parser("status", aliases=["show"], help="print a job's status as JSON (alias: show)")
     status.add_argument("job_id")
     cancel = actions.add_parser("cancel", help="cancel a job (a running turn stops at its next side effect)")
     cancel.add_argument("job_id")
@@ -51,8 +51,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_dispatch.cli import EXIT_OK, EXIT_USAGE
     from agent_dispatch.cli._client import ClientError, open_client
+    from agent_dispatch.runtime import EXIT_OK, EXIT_USAGE
     from agent_dispatch.settings import load_or_exit
 
     settings = load_or_exit(f"agent-dispatch jobs {args.action}")
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     client = None
     try:
         client = open_client(settings, url=args.url, token=args.token, tenant=args.tenant)
-        if args.action == "status":
+        if args.action in {"status", "show"}:
             print(json.dumps(client.status(args.job_id), indent=2))
         elif args.action == "cancel":
             print(json.dumps(client.cancel(args.job_id), indent=2))
@@ -106,24 +106,9 @@ def print_table(jobs: Sequence[dict[str, Any]], out: TextIO) -> None:
     out.flush()
 
 
-def wait_terminal(client: Any, job_id: str, *, timeout_s: float, interval_s: float = 0.2) -> dict[str, Any]:
-    """Poll until the job is terminal; ClientError when it takes longer than ``timeout_s``."""
-    from agent_dispatch.cli import EXIT_FAILURE
-    from agent_dispatch.cli._client import ClientError
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        view: dict[str, Any] = client.status(job_id)
-        if view.get("state") in TERMINAL:
-            return view
-        if time.monotonic() >= deadline:
-            raise ClientError(f"job {job_id} still {view.get('state')} after {timeout_s:g}s", EXIT_FAILURE)
-        time.sleep(interval_s)
-
-
 def watch(client: Any, job_ids: Sequence[str], *, interval_s: float, timeout_s: float) -> int:
     """Refresh a table on a terminal; elsewhere print one line per state change. 0 if all succeeded."""
-    from agent_dispatch.cli import EXIT_FAILURE, EXIT_OK
+    from agent_dispatch.runtime import EXIT_FAILURE, EXIT_OK
 
     ids = list(dict.fromkeys(job_ids))
     if not ids:

@@ -8,27 +8,9 @@ import sys
 from typing import Any
 
 
-def add_target_options(parser: argparse.ArgumentParser) -> None:
-    """Where jobs live: a gateway (URL + token) or, without a URL, the configured store."""
-    parser.add_argument(
-        "--url",
-        metavar="URL",
-        help="gateway URL (default: AGENT_DISPATCH_GATEWAY_URL; unset: the store directly)",
-    )
-    parser.add_argument(
-        "--token",
-        metavar="TOKEN",
-        help="bearer token for --url (default: AGENT_DISPATCH_TOKEN; prefer the variable)",
-    )
-    parser.add_argument(
-        "--tenant",
-        default="local",
-        metavar="TENANT",
-        help="tenant when talking to the store directly (default: local; a gateway takes it from the token)",
-    )
-
-
 def register(sub: Any) -> None:
+    from agent_dispatch.cli._client import add_target_options
+
     parser = sub.add_parser(
         "submit",
         help="submit an agent turn",
@@ -90,9 +72,8 @@ def _deadline(text: str | None) -> float | str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_dispatch.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
-    from agent_dispatch.cli._client import ClientError, open_client
-    from agent_dispatch.cli._jobs import wait_terminal
+    from agent_dispatch.cli._client import ClientError, open_client, wait_terminal
+    from agent_dispatch.runtime import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
     from agent_dispatch.settings import load_or_exit
 
     settings = load_or_exit("agent-dispatch submit")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
+import socket
 import sys
 import time
 from typing import Any
@@ -24,8 +26,9 @@ def register(sub: Any) -> None:
         help="run a gateway and workers locally on SQLite (no servers needed)",
         description="Run the gateway and workers on SQLite in the data directory "
         "(AGENT_DISPATCH_DATA_DIR, default: the XDG data directory), print the URL, a token "
-        "and a sample request, run a demo turn, and serve until Ctrl-C. Exit 0 after a clean "
-        "stop, 1 when the demo turn did not succeed, 2 for bad settings, 3 when the port is taken.",
+        "and a sample request, run a demo turn, and serve until Ctrl-C. Exit 130 after Ctrl-C, 0 "
+        "after SIGTERM, 1 when the demo turn did not succeed, 2 for bad settings, 3 when the port "
+        "is taken.",
     )
     parser.add_argument("--host", help="listen address (default: AGENT_DISPATCH_GATEWAY_HOST, 127.0.0.1)")
     parser.add_argument(
@@ -50,82 +53,96 @@ def run(args: argparse.Namespace) -> int:
     from agent_dispatch.settings import load_or_exit
 
     settings = load_or_exit("agent-dispatch up")
-    from agent_dispatch import _logging, keys, stores, transports
-    from agent_dispatch.cli import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+    from agent_dispatch import _logging
     from agent_dispatch.gateway import (
         Components,
         GatewayServer,
         TokenRegistry,
         TokensFileError,
         hash_token,
+        load_tokens_file,
         new_token,
         wait_for_signal,
         write_tokens_file,
     )
-    from agent_dispatch.gateway._auth import load_tokens_file
+    from agent_dispatch.runtime import (
+        EXIT_FAILURE,
+        EXIT_INTERRUPTED,
+        EXIT_OK,
+        EXIT_UNAVAILABLE,
+        EXIT_USAGE,
+        StartupError,
+        open_runtime,
+    )
     from agent_dispatch.settings import Backend
-    from agent_dispatch.worker import WorkerStartupError, build_worker
+    from agent_dispatch.worker import build_worker
 
     if settings.backend is not Backend.SQLITE:
-        print(
-            f"agent-dispatch up: runs on SQLite only; unset TASK_QUEUE_BACKEND={settings.backend.value} "
-            "and STATE_DB_URI, or run `agent-dispatch gateway` and `agent-dispatch worker`",
-            file=sys.stderr,
+        _fail(
+            f"runs on SQLite only; unset TASK_QUEUE_BACKEND={settings.backend.value} "
+            "and STATE_DB_URI, or run `agent-dispatch gateway` and `agent-dispatch worker`"
         )
         return EXIT_USAGE
     if args.port is not None and not 0 <= args.port <= 65535:
-        print("agent-dispatch up: invalid option --port: allowed: 0 to 65535", file=sys.stderr)
+        _fail("invalid option --port: allowed: 0 to 65535")
         return EXIT_USAGE
     if args.concurrency is not None and not 1 <= args.concurrency <= 256:
-        print("agent-dispatch up: invalid option --concurrency: allowed: 1 to 256", file=sys.stderr)
+        _fail("invalid option --concurrency: allowed: 1 to 256")
         return EXIT_USAGE
     # Quiet by default: this is an interactive command; AGENT_DISPATCH_LOG_LEVEL turns logs up.
     level = settings.log_level if "log_level" in settings.model_fields_set else "WARNING"
     fmt = settings.log_format.value if "log_format" in settings.model_fields_set else "text"
     _logging.configure(level, fmt)
 
+    host = args.host or settings.gateway_host
+    port = settings.gateway_port if args.port is None else args.port
+    # The port first, before anything is written: a second `up` on a taken port must leave the
+    # running one's tokens file (and so its printed token) alone.
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as exc:
+        _fail(f"cannot listen on port {port}: {exc.strerror}; try --port 0 for any free port")
+        return EXIT_UNAVAILABLE
+
     data_dir = settings.data_dir
-    data_dir.mkdir(parents=True, exist_ok=True)
     tokens_path = settings.tokens_file or data_dir / "tokens.yaml"
     settings = settings.model_copy(update={"tokens_file": tokens_path})
-
     # A fresh token for `local` each run (its plaintext is shown once); other tenants are kept.
     token = new_token()
     try:
         existing = load_tokens_file(tokens_path) if tokens_path.exists() else {}
     except TokensFileError as exc:
-        print(f"agent-dispatch up: invalid setting AGENT_DISPATCH_TOKENS_FILE: {exc}", file=sys.stderr)
+        sock.close()
+        _fail(f"invalid setting AGENT_DISPATCH_TOKENS_FILE: {exc}")
         return EXIT_USAGE
-    hashes = {t: [d.hex() for d in digests] for t, digests in existing.items() if t != LOCAL_TENANT}
-    hashes[LOCAL_TENANT] = [hash_token(token)]
-    write_tokens_file(tokens_path, hashes)
+    tenants = {t: digests for t, digests in existing.items() if t != LOCAL_TENANT}
+    tenants[LOCAL_TENANT] = (bytes.fromhex(hash_token(token)),)
 
-    signing_key = keys.signing_key(settings)
-    store = stores.open_store(settings)
-    store.migrate()
-    transport = transports.open_transport(settings)
-    components = Components(store, transport, signing_key, TokenRegistry.from_file(tokens_path))
-
+    data_dir.mkdir(parents=True, exist_ok=True)
     try:
-        worker = build_worker(settings, concurrency=args.concurrency)
-    except WorkerStartupError as exc:
-        components.close()
-        print(f"agent-dispatch up: {exc}", file=sys.stderr)
+        # One store/transport pair for the gateway and the workers (one SQLite file, one writer).
+        runtime = open_runtime(settings, migrate=True)
+    except StartupError as exc:
+        sock.close()
+        _fail(str(exc))
         return exc.exit_code
-    host = args.host or settings.gateway_host
-    port = settings.gateway_port if args.port is None else args.port
-    server = GatewayServer(settings, components, host=host, port=port)
+    try:
+        worker = build_worker(settings, concurrency=args.concurrency, runtime=runtime)
+    except StartupError as exc:
+        sock.close()
+        runtime.close()
+        _fail(str(exc))
+        return exc.exit_code
+    tokens = TokenRegistry(tenants, path=tokens_path)
+    components = Components(runtime.store, runtime.transport, runtime.signing_key, tokens)
+    server = GatewayServer(settings, components, host=host, port=port, sock=sock)
     try:
         server.start()
-    except OSError as exc:
-        components.close()
-        worker.store.close()
-        worker.transport.close()
-        print(
-            f"agent-dispatch up: cannot listen on port {port}: {exc.strerror}; try --port 0 for any free port",
-            file=sys.stderr,
-        )
-        return EXIT_UNAVAILABLE
+    except BaseException:
+        sock.close()
+        runtime.close()
+        raise
+    write_tokens_file(tokens_path, {t: [d.hex() for d in digests] for t, digests in tenants.items()})
     worker.start()
 
     code = EXIT_OK
@@ -134,16 +151,21 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_demo and not _demo(server.url, token):
             code = EXIT_FAILURE
         _say("Serving. Press Ctrl-C to stop.")
-        wait_for_signal()
+        if wait_for_signal() == signal.SIGINT:
+            code = EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # Ctrl-C during the demo, before the signal handler is in place
+        code = EXIT_INTERRUPTED
     finally:
         _say("Stopping: no new requests or claims; finishing running turns...")
         server.stop()
         worker.stop()
-        worker.transport.close()
-        worker.store.close()
-        components.close()
+        runtime.close()
         _say("Stopped.")
     return code
+
+
+def _fail(message: str) -> None:
+    print(f"agent-dispatch up: {message}", file=sys.stderr)
 
 
 def _banner(url: str, token: str, data_dir: Any, concurrency: int) -> None:

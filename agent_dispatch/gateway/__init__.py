@@ -6,16 +6,18 @@ runs a turn inline: every accepted request becomes a WorkItem plus a signed enve
 
 from __future__ import annotations
 
-from agent_dispatch.errors import BackendUnavailable, SchemaOutdated
 from agent_dispatch.gateway._app import GATEWAY, ApiError, Gateway, create_app, job_handle
 from agent_dispatch.gateway._auth import (
     TokenRegistry,
     TokensFileError,
     hash_token,
+    load_tokens_file,
     new_token,
     write_tokens_file,
 )
+from agent_dispatch.gateway._models import TurnBody
 from agent_dispatch.gateway._serve import Components, GatewayServer, wait_for_signal
+from agent_dispatch.runtime import EXIT_USAGE, StartupError, open_runtime
 from agent_dispatch.settings import Settings
 
 __all__ = [
@@ -27,9 +29,12 @@ __all__ = [
     "GatewayStartupError",
     "TokenRegistry",
     "TokensFileError",
+    "TurnBody",
     "create_app",
     "hash_token",
     "job_handle",
+    "load_tokens",
+    "load_tokens_file",
     "new_token",
     "open_components",
     "wait_for_signal",
@@ -37,54 +42,33 @@ __all__ = [
 ]
 
 
-class GatewayStartupError(RuntimeError):
-    """A configuration or reachability problem found before serving; carries the CLI exit code."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+#: The one start-up error of every entry point (kept under the gateway's old name too).
+GatewayStartupError = StartupError
 
 
 def open_components(settings: Settings, *, migrate: bool = False) -> Components:
     """Signing key, tokens, store and transport named by the settings, ready to serve.
 
-    Exit codes on failure follow the CLI: 2 for configuration (including an explicitly selected
-    backend that cannot be reached), 3 for an unreachable service, 1 for a schema that needs
-    ``agent-dispatch migrate``.
+    Tokens are checked first (a bad file is a setting: 2), then the parts are opened by
+    :func:`agent_dispatch.runtime.open_runtime`, whose one rule gives the other exit codes.
     """
-    from agent_dispatch import keys, stores, transports
+    tokens = load_tokens(settings)
+    runtime = open_runtime(settings, migrate=migrate)
+    return Components(runtime.store, runtime.transport, runtime.signing_key, tokens)
 
-    try:
-        key = keys.signing_key(settings)
-    except keys.SigningKeyMissing as exc:
-        raise GatewayStartupError(str(exc), 2) from None
+
+def load_tokens(settings: Settings) -> TokenRegistry:
+    """The tenants' token hashes from AGENT_DISPATCH_TOKENS_FILE, or ``StartupError`` (2)."""
     if settings.tokens_file is None:
-        raise GatewayStartupError(
+        raise StartupError(
             "invalid setting AGENT_DISPATCH_TOKENS_FILE: is required to serve the gateway; "
             "allowed: a file (YAML or JSON) mapping each tenant to the sha256 hex of its bearer token",
-            2,
+            EXIT_USAGE,
         )
     try:
         tokens = TokenRegistry.from_file(settings.tokens_file)
     except TokensFileError as exc:
-        raise GatewayStartupError(f"invalid setting AGENT_DISPATCH_TOKENS_FILE: {exc}", 2) from None
+        raise StartupError(f"invalid setting AGENT_DISPATCH_TOKENS_FILE: {exc}", EXIT_USAGE) from None
     if not tokens.tenants:
-        raise GatewayStartupError("invalid setting AGENT_DISPATCH_TOKENS_FILE: lists no tenants", 2)
-    # Every entry point fails the same way: an explicitly selected backend that cannot be
-    # reached is a configuration error (2); otherwise an unreachable service is 3.
-    unreachable = 2 if settings.backend_explicit else 3
-    try:
-        store = stores.open_store(settings)
-    except BackendUnavailable as exc:
-        raise GatewayStartupError(str(exc), unreachable) from None
-    try:
-        if migrate:
-            store.migrate()
-        transport = transports.open_transport(settings)
-    except BackendUnavailable as exc:
-        store.close()
-        raise GatewayStartupError(str(exc), unreachable) from None
-    except SchemaOutdated as exc:
-        store.close()
-        raise GatewayStartupError(str(exc), 1) from None
-    return Components(store, transport, key, tokens)
+        raise StartupError("invalid setting AGENT_DISPATCH_TOKENS_FILE: lists no tenants", EXIT_USAGE)
+    return tokens

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Final
@@ -44,8 +45,18 @@ class Components:
 class GatewayServer:
     """The gateway on its own event loop in a daemon thread; ``url`` is known once ``start`` returns."""
 
-    def __init__(self, settings: Settings, components: Components, *, host: str, port: int) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        components: Components,
+        *,
+        host: str,
+        port: int,
+        sock: socket.socket | None = None,
+    ) -> None:
+        """``sock``: an already bound listening socket to serve on (``up`` binds before it writes)."""
         self._settings = settings
+        self._sock = sock
         self._components = components
         self._host = host
         self._port = port
@@ -97,7 +108,11 @@ class GatewayServer:
         # access_log off: request lines carry job ids per request; the metrics carry the counts.
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
+        site: web.BaseSite
+        if self._sock is not None:
+            site = web.SockSite(self._runner, self._sock)
+        else:
+            site = web.TCPSite(self._runner, self._host, self._port)
         await site.start()
         # Port 0 asks the kernel for a free port; report the one actually bound.
         for address in self._runner.addresses:
@@ -118,13 +133,20 @@ class GatewayServer:
         thread.join(timeout=SHUTDOWN_TIMEOUT_S + 5)
 
 
-def wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM (the main thread only)."""
+def wait_for_signal() -> int:
+    """Block until SIGINT or SIGTERM (the main thread only); return which one came first."""
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while not stop.wait(0.5):
             pass
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    return received[0]

@@ -9,22 +9,29 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent_dispatch.errors import BackendUnavailable, SchemaOutdated
+from agent_dispatch.runtime import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Runtime, StartupError, open_runtime
 from agent_dispatch.settings import Settings
 from agent_dispatch.worker._executors import Executor, TurnFailed, load_executor
+from agent_dispatch.worker._heartbeat import LeaseHeartbeat, kube_api_client
 from agent_dispatch.worker._loop import Worker, WorkerState
 
-__all__ = ["Executor", "TurnFailed", "Worker", "WorkerState", "build_worker", "run_worker"]
+__all__ = [
+    "Executor",
+    "LeaseHeartbeat",
+    "TurnFailed",
+    "Worker",
+    "WorkerStartupError",
+    "WorkerState",
+    "build_worker",
+    "kube_api_client",
+    "run_worker",
+]
 
 log = logging.getLogger("agent_dispatch.worker")
 
 
-class WorkerStartupError(RuntimeError):
-    """A configuration or reachability problem found before any turn is claimed."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+#: The one start-up error of every entry point (kept under the worker's old name too).
+WorkerStartupError = StartupError
 
 
 class SessionLockConnections:
@@ -89,26 +96,19 @@ class _LentConnection:
             self._owner._give_back(conn, self._healthy)
 
 
-def build_worker(settings: Settings, *, concurrency: int | None = None) -> Worker:
-    """Open the store and transport named by the settings and assemble a worker (not started)."""
-    from agent_dispatch import dispatch, keys, stores, transports
+def build_worker(
+    settings: Settings, *, concurrency: int | None = None, runtime: Runtime | None = None
+) -> Worker:
+    """Assemble a worker (not started) over ``runtime``'s store and transport, or over ones
+    opened here from the settings. ``StartupError`` says why it cannot start, with the exit code."""
+    from agent_dispatch import dispatch
 
-    try:
-        key = keys.signing_key(settings)
-    except keys.SigningKeyMissing as exc:
-        raise WorkerStartupError(str(exc), 2) from None
     try:
         executor = load_executor(settings)
     except ValueError as exc:
-        raise WorkerStartupError(f"invalid setting {exc}", 2) from None
-    try:
-        store = stores.open_store(settings)
-        transport = transports.open_transport(settings)
-        transport.ensure_ready()
-    except BackendUnavailable as exc:
-        raise WorkerStartupError(str(exc), 2) from None
-    except SchemaOutdated as exc:
-        raise WorkerStartupError(str(exc), 1) from None
+        raise StartupError(f"invalid setting {exc}", EXIT_USAGE) from None
+    parts = runtime if runtime is not None else open_runtime(settings)
+    store, transport, key = parts.store, parts.transport, parts.signing_key
 
     session_connect: Callable[[], Any] | None = None
     if settings.state_db_uri is not None:
@@ -133,18 +133,23 @@ def build_worker(settings: Settings, *, concurrency: int | None = None) -> Worke
 
 def run_worker(settings: Settings, *, concurrency: int | None = None) -> int:
     """Run until SIGTERM/SIGINT; then drain within the grace period. Returns the exit code."""
-    from agent_dispatch.worker._heartbeat import LeaseHeartbeat, kube_api_client
     from agent_dispatch.worker._http import serve
 
     try:
         worker = build_worker(settings, concurrency=concurrency)
-    except WorkerStartupError as exc:
+    except StartupError as exc:
         print(f"agent-dispatch worker: {exc}", flush=True)
         return exc.exit_code
 
     stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signum)
+        stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, on_signal)
 
     server = None
     if settings.metrics_port:
@@ -172,4 +177,5 @@ def run_worker(settings: Settings, *, concurrency: int | None = None) -> int:
         server.shutdown()
     worker.transport.close()
     worker.store.close()
-    return 0
+    # SIGTERM is how a pod is told to stop (a clean stop); Ctrl-C is an interruption.
+    return EXIT_INTERRUPTED if received and received[0] == signal.SIGINT else EXIT_OK

@@ -333,10 +333,10 @@ class ChaosRun:
                 if worker.proc.poll() is not None and not worker.killed:
                     with self._lock:
                         worker.killed = True
-                    if worker.proc.returncode == 2 and not worker.served and self.refused_starts < 100:
-                        # By design a worker whose transport is unreachable at start exits 2 at once
+                    if worker.proc.returncode == 3 and not worker.served and self.refused_starts < 100:
+                        # By design a worker whose transport is unreachable at start exits 3 at once
                         # (a replacement started while a server restarts); like a kubelet, start
-                        # another. Exit 2 after start-up, or a refusal loop, stays a failure.
+                        # another. Exit 3 after start-up, or a refusal loop, stays a failure.
                         self.refused_starts += 1
                         self.start_worker()
                         continue
