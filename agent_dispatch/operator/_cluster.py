@@ -1,9 +1,9 @@
 """The few Kubernetes calls the operator makes, behind a small Protocol.
 
 The reconcile logic talks to :class:`Cluster`, so unit tests drive it with an in-memory fake and
-the kube tests with the real API server. Writes are server-side applies under the operator's
-own field manager: it owns exactly the fields it renders and nothing else (an HPA's replicas, a
-user's extra annotations).
+the kube tests with the real API server through the kubernetes client's DynamicClient. Writes
+are server-side applies under the operator's own field manager: it owns exactly the fields it
+renders and nothing else (an HPA's replicas, a user's extra annotations).
 """
 
 from __future__ import annotations
@@ -11,21 +11,10 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final, Protocol
 
 from agent_dispatch import k8s_names
-
-#: Kinds the operator reads or writes: (apiVersion, kind) -> (plural, namespaced).
-KINDS: Final[dict[tuple[str, str], str]] = {
-    ("apps/v1", "Deployment"): "deployments",
-    ("v1", "Service"): "services",
-    ("v1", "Secret"): "secrets",
-    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
-    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
-    ("coordination.k8s.io/v1", "Lease"): "leases",
-    (k8s_names.API_VERSION, k8s_names.KIND): k8s_names.PLURAL,
-}
 
 REQUEST_TIMEOUT_S: Final = 30
 
@@ -52,13 +41,6 @@ class Cluster(Protocol):
     def read_secret(self, namespace: str, name: str, key: str) -> str | None: ...
 
 
-def resource_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
-    plural = KINDS[(api_version, kind)]
-    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    path = f"{prefix}/namespaces/{namespace}/{plural}"
-    return f"{path}/{name}" if name else path
-
-
 def secret_value(secret: Mapping[str, Any] | None, key: str) -> str | None:
     """The decoded value of ``key`` in a Secret object, or None."""
     if not secret:
@@ -74,111 +56,132 @@ def secret_value(secret: Mapping[str, Any] | None, key: str) -> str | None:
 
 
 class KubeCluster:
-    """:class:`Cluster` over the kubernetes client's ApiClient (kubeconfig or in-cluster)."""
+    """:class:`Cluster` over the kubernetes client's DynamicClient (kubeconfig or in-cluster).
+
+    The DynamicClient finds each kind's path by API discovery (a kind installed later, such as
+    KEDA's ScaledObject, is found on first use) and applies with the server-side apply patch.
+    Discovery needs the API server, so it starts on the first call, not at construction.
+    """
 
     def __init__(self, api_client: Any | None = None) -> None:
-        if api_client is None:
-            api_client = new_api_client()
-        self._api = api_client
+        self._api_client = api_client
+        self._dynamic: Any = None
 
-    def _call(
-        self,
-        method: str,
-        path: str,
-        *,
-        query: list[tuple[str, str]] | None = None,
-        body: Any = None,
-        content_type: str | None = None,
-    ) -> tuple[int, Any]:
-        from kubernetes.client.exceptions import ApiException
+    def _resource(self, api_version: str, kind: str) -> Any | None:
+        """The kind's API resource, or None when the API server does not serve it."""
+        from kubernetes import dynamic
+        from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
-        headers = {"Accept": "application/json"}
-        if content_type:
-            headers["Content-Type"] = content_type
-        method_, url, headers_, body_, post = self._api.param_serialize(
-            method,
-            path,
-            query_params=query or [],
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        try:
-            response = self._api.call_api(
-                method_, url, headers_, body_, post, _request_timeout=REQUEST_TIMEOUT_S
-            )
-            response.read()
-        except ApiException as exc:
-            return int(exc.status or 0), _json_or_text(exc.body)
-        except OSError as exc:  # the API server is down or unreachable
-            raise ClusterError(0, f"{type(exc).__name__}: Kubernetes API unreachable") from None
-        return int(response.status), _json_or_text(response.data)
+        def discover() -> Any:
+            if self._dynamic is None:
+                self._dynamic = dynamic.DynamicClient(self._api_client or new_api_client())
+            try:
+                return self._dynamic.resources.get(api_version=api_version, kind=kind)
+            except ResourceNotFoundError:
+                return None
+
+        return _calling(discover, f"discover {kind}")
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        status, data = self._call("GET", resource_path(api_version, kind, namespace, name))
-        if status == 404:
+        resource = self._resource(api_version, kind)
+        if resource is None:
             return None
-        _raise_for(status, data, f"get {kind} {name}")
-        return dict(data)
+        found = _calling(
+            lambda: resource.get(name=name, namespace=namespace, _request_timeout=REQUEST_TIMEOUT_S),
+            f"get {kind} {name}",
+            missing=None,
+        )
+        return None if found is None else dict(found.to_dict())
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]
-        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        status, data = self._call(
-            "PATCH",
-            path,
-            query=[("fieldManager", k8s_names.FIELD_MANAGER), ("force", "true")],
-            body=json.dumps(obj),
-            content_type="application/apply-patch+yaml",
+        what = f"apply {obj['kind']} {meta['name']}"
+        resource = self._resource(obj["apiVersion"], obj["kind"])
+        if resource is None:
+            raise ClusterError(
+                404, f"{what}: HTTP 404: the server does not serve {obj['apiVersion']} {obj['kind']}"
+            )
+        applied = _calling(
+            lambda: resource.server_side_apply(
+                body=dict(obj),
+                name=meta["name"],
+                namespace=meta["namespace"],
+                field_manager=k8s_names.FIELD_MANAGER,
+                force_conflicts=True,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            ),
+            what,
         )
-        _raise_for(status, data, f"apply {obj['kind']} {meta['name']}")
-        return dict(data)
+        return dict(applied.to_dict())
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
-        status, data = self._call(
-            "DELETE",
-            resource_path(api_version, kind, namespace, name),
-            body={"propagationPolicy": "Background"},
-            content_type="application/json",
-        )
-        if status == 404:
+        resource = self._resource(api_version, kind)
+        if resource is None:
             return False
-        _raise_for(status, data, f"delete {kind} {name}")
-        return True
+        deleted = _calling(
+            lambda: resource.delete(
+                name=name,
+                namespace=namespace,
+                body={"propagationPolicy": "Background"},
+                _request_timeout=REQUEST_TIMEOUT_S,
+            ),
+            f"delete {kind} {name}",
+            missing=None,
+        )
+        return deleted is not None
 
     def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        status, data = self._call(
-            "GET", resource_path(api_version, kind, namespace), query=[("labelSelector", label_selector)]
-        )
-        if status == 404:
+        resource = self._resource(api_version, kind)
+        if resource is None:
             return []
-        _raise_for(status, data, f"list {kind}")
-        return [dict(item) for item in data.get("items", [])]
+        listed = _calling(
+            lambda: resource.get(
+                namespace=namespace, label_selector=label_selector, _request_timeout=REQUEST_TIMEOUT_S
+            ),
+            f"list {kind}",
+            missing=None,
+        )
+        return [] if listed is None else [dict(item) for item in listed.to_dict().get("items", [])]
 
     def read_secret(self, namespace: str, name: str, key: str) -> str | None:
         return secret_value(self.get("v1", "Secret", namespace, name), key)
 
 
-def _json_or_text(raw: Any) -> Any:
-    if isinstance(raw, bytes | bytearray):
-        raw = raw.decode("utf-8", "replace")
-    if isinstance(raw, str):
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return {"message": raw[:500]}
-    return raw if raw is not None else {}
+_MISSING: Final = object()
 
 
-def _raise_for(status: int, data: Any, what: str) -> None:
-    if 200 <= status < 300:
-        return
-    message = data.get("message", "") if isinstance(data, Mapping) else str(data)
-    raise ClusterError(status, f"{what}: HTTP {status}: {message}")
+def _calling(fn: Callable[[], Any], what: str, *, missing: Any = _MISSING) -> Any:
+    """``fn()``, its failures as :class:`ClusterError`; a 404 answers ``missing`` when given."""
+    from kubernetes.client.exceptions import ApiException
+    from kubernetes.dynamic.exceptions import DynamicApiError
+    from urllib3.exceptions import HTTPError
+
+    try:
+        return fn()
+    except (DynamicApiError, ApiException) as exc:
+        status = int(getattr(exc, "status", 0) or 0)
+        if status == 404 and missing is not _MISSING:
+            return missing
+        raise ClusterError(status, f"{what}: HTTP {status}: {_message(exc)}") from None
+    except (HTTPError, OSError) as exc:  # the API server is down or unreachable
+        raise ClusterError(0, f"{what}: {type(exc).__name__}: Kubernetes API unreachable") from None
+
+
+def _message(exc: Exception) -> str:
+    body = getattr(exc, "body", None)
+    if isinstance(body, bytes | bytearray):
+        body = body.decode("utf-8", "replace")
+    try:
+        data = json.loads(body) if isinstance(body, str) else None
+    except ValueError:
+        data = None
+    if isinstance(data, Mapping):
+        return str(data.get("message", ""))[:500]
+    return str(body or getattr(exc, "reason", ""))[:500]
 
 
 def new_api_client() -> Any:
-    """An ApiClient from the in-cluster ServiceAccount, else from the kubeconfig ($KUBECONFIG)."""
+    """The one credentials lookup: the in-cluster ServiceAccount, else the kubeconfig ($KUBECONFIG)."""
     from kubernetes import client, config
 
     # The loaders are untyped; called through Any so strict typing holds with or without stubs.
