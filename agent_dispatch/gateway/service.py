@@ -48,23 +48,20 @@ from agent_dispatch.gateway._models import (
     TurnBody,
 )
 from agent_dispatch.models import SubmitRequest, SubmitResult, WorkState
+from agent_dispatch.runtime import EXIT_FAILURE, EXIT_UNAVAILABLE, EXIT_USAGE
 from agent_dispatch.settings import Settings
 from agent_dispatch.store import WorkItemStore, check_payload
 
 #: What a client is told to wait after 429/503; the queue drains at worker speed, so retry soon.
 RETRY_AFTER_S: Final = 1
 
-# The README's exit codes (agent_dispatch.runtime holds the table; these are its values).
-_EXIT_FAILURE: Final = 1
-_EXIT_USAGE: Final = 2
-_EXIT_UNAVAILABLE: Final = 3
 #: HTTP status -> CLI exit code: the caller's mistake is usage (2), an outage is 3, a refusal 1.
 EXIT_FOR_STATUS: Final = {
-    400: _EXIT_USAGE,
-    401: _EXIT_USAGE,
-    413: _EXIT_USAGE,
-    422: _EXIT_USAGE,
-    503: _EXIT_UNAVAILABLE,
+    400: EXIT_USAGE,
+    401: EXIT_USAGE,
+    413: EXIT_USAGE,
+    422: EXIT_USAGE,
+    503: EXIT_UNAVAILABLE,
 }
 
 _IDEMPOTENCY: Final = re.compile(IDEMPOTENCY_KEY_PATTERN)
@@ -100,7 +97,7 @@ class ServiceError(Exception):
         """The CLI's exit code for this refusal."""
         if self._exit_code is not None:
             return self._exit_code
-        return EXIT_FOR_STATUS.get(self.status, _EXIT_FAILURE)
+        return EXIT_FOR_STATUS.get(self.status, EXIT_FAILURE)
 
     def body(self) -> dict[str, Any]:
         model = ErrorBody(
@@ -175,7 +172,7 @@ def unavailable(exc: Exception) -> ServiceError | None:
         "the WorkItem store or transport is unavailable; retry with the same Idempotency-Key",
         headers={"Retry-After": str(RETRY_AFTER_S)},
         # A schema that needs `agent-dispatch migrate` is a finding (1); an outage is 3.
-        exit_code=_EXIT_FAILURE if isinstance(exc, SchemaOutdated) else _EXIT_UNAVAILABLE,
+        exit_code=EXIT_FAILURE if isinstance(exc, SchemaOutdated) else EXIT_UNAVAILABLE,
     )
 
 
