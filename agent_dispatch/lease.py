@@ -111,6 +111,17 @@ class WorkItemLeaseGuard:
         if self._lost is not None:
             raise self._lost
 
+    def verify(self) -> None:
+        """Ask the store whether the lease is still current (one read, no renewal); raise and
+        remember the loss. For executors that wait long between side effects: a cancellation
+        reaches them at their next call, not at the next renewal (up to the renew interval)."""
+        self.check()
+        try:
+            self._store.require_current(self._lease)
+        except LeaseLost as exc:
+            self._mark_lost(exc)
+            raise
+
     def renew(self) -> Lease:
         """Renew now; raises (and remembers) :class:`LeaseLost` when the lease is no longer ours."""
         with self._lock:

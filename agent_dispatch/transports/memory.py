@@ -1,11 +1,14 @@
 """An in-process transport for unit tests of the layers above. Never selectable by settings.
 
-It obeys the same contract suite as the real transports, so tests that use it cannot drift.
+It obeys the same contract suite as the real transports (``tests/contract``), scheduling
+included, so tests that use it cannot drift: a turn is not handed out before its ``not_before``,
+and claims take expired deadlines first, then priority, deadline and admission order.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,16 +28,23 @@ class _Row:
     claim_token: str | None = None
     deliveries: int = 0
 
+    def order(self, now: float) -> tuple[int, int, float, int]:
+        deadline = math.inf if self.turn.deadline is None else self.turn.deadline
+        return (0 if deadline <= now else 1, -self.turn.priority, deadline, self.seq)
+
 
 class MemoryTransport:
-    backend = Backend.SQLITE  # stands in for the embedded default
+    """Scheduling keys (``not_before``, ``deadline``) are wall-clock seconds, as on the wire."""
+
+    #: Not a ``TASK_QUEUE_BACKEND``: nothing in settings can select it.
+    backend: Backend | None = None
 
     def __init__(
         self,
         *,
         max_depth: int = 100_000,
         visibility_timeout_s: float = 120.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.max_depth = max_depth
         self.visibility_timeout_s = visibility_timeout_s
@@ -53,26 +63,26 @@ class MemoryTransport:
         with self._cond:
             if self.probe_fails:
                 raise DepthUnavailable("memory transport depth probe disabled")
-            fresh = [t for t in turns if t.work_item_id not in self._rows]
+            fresh = list({t.work_item_id: t for t in turns if t.work_item_id not in self._rows}.values())
             if bounded and len(self._rows) + len(fresh) > self.max_depth:
                 raise QueueFull(f"queue depth {len(self._rows)} + {len(fresh)} exceeds {self.max_depth}")
             now = self._clock()
             for turn in fresh:
-                self._rows[turn.work_item_id] = _Row(turn, next(self._seq), now)
+                visible_at = max(turn.not_before or now, now)
+                self._rows[turn.work_item_id] = _Row(turn, next(self._seq), visible_at)
             self._cond.notify_all()
 
     def claim(self, owner: str, *, max_items: int = 1, wait_s: float = 0.0) -> list[Delivery]:
-        deadline = time.monotonic() + wait_s
+        give_up = time.monotonic() + wait_s
         with self._cond:
             while True:
                 now = self._clock()
                 visible = sorted(
-                    (r for r in self._rows.values() if r.visible_at <= now),
-                    key=lambda r: (-r.turn.priority, r.seq),
+                    (r for r in self._rows.values() if r.visible_at <= now), key=lambda r: r.order(now)
                 )[:max_items]
-                if visible or time.monotonic() >= deadline:
+                if visible or time.monotonic() >= give_up:
                     break
-                self._cond.wait(timeout=min(0.05, max(deadline - time.monotonic(), 0.0)))
+                self._cond.wait(timeout=min(0.05, max(give_up - time.monotonic(), 0.0)))
             out = []
             for row in visible:
                 row.claimed_by = owner
@@ -97,6 +107,18 @@ class MemoryTransport:
         with self._cond:
             row = self._owned(receipt)
             del self._rows[row.turn.work_item_id]
+
+    def ack_many(self, receipts: Sequence[Receipt]) -> list[Receipt]:
+        refused: list[Receipt] = []
+        with self._cond:
+            for receipt in receipts:
+                try:
+                    row = self._owned(receipt)
+                except Fenced:
+                    refused.append(receipt)
+                else:
+                    del self._rows[row.turn.work_item_id]
+        return refused
 
     def release(self, receipt: Receipt, *, delay_s: float = 0.0) -> None:
         with self._cond:

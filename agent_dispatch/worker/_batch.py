@@ -19,19 +19,19 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from agent_dispatch.envelope import AgentTurnEnvelope, open_envelope
 from agent_dispatch.errors import DispatchError, LeaseLost, PoisonEnvelope
-from agent_dispatch.lease import SessionHold, WorkItemLeaseGuard, session_batch_guard
+from agent_dispatch.lease import LeaseRenewer, SessionHold, WorkItemLeaseGuard, session_batch_guard
 from agent_dispatch.models import Lease, Outcome
+from agent_dispatch.settings import Settings
+from agent_dispatch.store import WorkItemStore
 from agent_dispatch.transport import Delivery
 from agent_dispatch.worker import _metrics as m
-from agent_dispatch.worker._executors import TurnFailed, run_executor
-
-if TYPE_CHECKING:
-    from agent_dispatch.worker._loop import Worker, _InFlight
+from agent_dispatch.worker._executors import Executor, TurnFailed, run_executor
 
 log = logging.getLogger("agent_dispatch.worker")
 
@@ -42,10 +42,47 @@ BUSY_DELAY_S = 1.0
 
 
 @dataclass
+class InFlight:
+    """One claimed delivery while a claim loop holds it (what shutdown hands back)."""
+
+    delivery: Delivery
+    lease: Lease | None = None
+    guard: WorkItemLeaseGuard | None = None
+
+
+class BatchHost(Protocol):
+    """What a batch needs of its worker: its parts, and the one-by-one steps it falls back to."""
+
+    settings: Settings
+    store: WorkItemStore
+    executor: Executor
+    signing_key: bytes
+    session_connect: Callable[[], Any] | None
+    renewer: LeaseRenewer
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def handle_one(self, owner: str, flight: InFlight) -> None: ...
+
+    def poison(self, delivery: Delivery, reason: str) -> str: ...
+
+    def lease_lost(self, delivery: Delivery, exc: LeaseLost) -> str: ...
+
+    def observe_turn(self, seconds: float) -> None: ...
+
+    def commit(self, delivery: Delivery, lease: Lease, failure: TurnFailed | None) -> str: ...
+
+    def ack_many(self, deliveries: list[Delivery]) -> None: ...
+
+    def release(self, delivery: Delivery, delay_s: float) -> None: ...
+
+
+@dataclass
 class _Turn:
     delivery: Delivery
     envelope: AgentTurnEnvelope
-    flight: _InFlight
+    flight: InFlight
     lease: Lease
     payload: bytes
     outcome: Outcome | None = None
@@ -57,7 +94,7 @@ class _Turn:
 class Batch:
     """One claim loop's batch; lives for one pass of :meth:`run`."""
 
-    def __init__(self, worker: Worker, owner: str, flights: list[_InFlight]) -> None:
+    def __init__(self, worker: BatchHost, owner: str, flights: list[InFlight]) -> None:
         self.worker = worker
         self.owner = owner
         self.flights = flights
@@ -68,12 +105,12 @@ class Batch:
 
     def run(self) -> None:
         w = self.worker
-        opened: list[tuple[_InFlight, AgentTurnEnvelope]] = []
+        opened: list[tuple[InFlight, AgentTurnEnvelope]] = []
         for flight in self.flights:
             try:
                 opened.append((flight, open_envelope(flight.delivery.wire, w.signing_key)))
             except PoisonEnvelope as exc:
-                w._poison(flight.delivery, str(exc))
+                w.poison(flight.delivery, str(exc))
         # start_many checks the WorkItem's deadline by the store's clock; an envelope that looks
         # expired here goes one by one, where its own deadline is checked against that clock.
         now = time.time()
@@ -86,7 +123,7 @@ class Batch:
             else {}
         )
         turns: list[_Turn] = []
-        one_by_one: list[_InFlight] = []
+        one_by_one: list[InFlight] = []
         for flight, env in opened:
             turn = started.pop(env.job_id, None)  # a duplicate delivery in the batch goes one by one
             if turn is None:
@@ -97,7 +134,7 @@ class Batch:
         if turns:
             self._run_started(turns)
         for flight in one_by_one:
-            w._handle_one(self.owner, flight)
+            w.handle_one(self.owner, flight)
 
     def _run_started(self, turns: list[_Turn]) -> None:
         w = self.worker
@@ -110,7 +147,7 @@ class Batch:
                 self._held = list(turns)
             try:
                 for index, turn in enumerate(turns):
-                    if w._stop_claiming.is_set():
+                    if w.stopping:
                         self._hand_back(turns[index:], "worker stopping")
                         break
                     if turn.envelope.session_id not in sessions:
@@ -118,7 +155,7 @@ class Batch:
                         continue
                     if turn.lost is not None:
                         self._finish(turn)
-                        w._lease_lost(turn.delivery, turn.lost)
+                        w.lease_lost(turn.delivery, turn.lost)
                         continue
                     started = time.monotonic()
                     self._execute(turn, hold)
@@ -154,16 +191,16 @@ class Batch:
                 failure = run_executor(w.executor, turn.envelope, turn.payload, guard, log)
         except LeaseLost as exc:
             self._finish(turn)
-            w._lease_lost(turn.delivery, exc)
+            w.lease_lost(turn.delivery, exc)
             return
         elapsed = time.perf_counter() - started
         m.EXECUTE_SECONDS.observe(elapsed)
-        w._observe_turn(elapsed)
+        w.observe_turn(elapsed)
         turn.lease = guard.lease
         if failure is not None and failure.retryable:
             self._finish(turn)
             with contextlib.suppress(LeaseLost):
-                w._commit(turn.delivery, turn.lease, failure)
+                w.commit(turn.delivery, turn.lease, failure)
             return
         turn.outcome = Outcome.SUCCEEDED if failure is None else Outcome.FAILED
         turn.error = None if failure is None else str(failure)
@@ -198,10 +235,10 @@ class Batch:
                 None if turn.outcome is Outcome.SUCCEEDED else TurnFailed(turn.error or "", retryable=False)
             )
             try:
-                w._commit(turn.delivery, turn.lease, failure)
+                w.commit(turn.delivery, turn.lease, failure)
             except LeaseLost as exc:
-                w._lease_lost(turn.delivery, exc)
-        w._ack_many(to_ack)
+                w.lease_lost(turn.delivery, exc)
+        w.ack_many(to_ack)
         m.COMMIT_SECONDS.observe(time.perf_counter() - started)
 
     def _hand_back(self, turns: list[_Turn], reason: str) -> None:
@@ -212,7 +249,7 @@ class Batch:
             self._finish(turn)
             with contextlib.suppress(DispatchError):
                 w.store.defer(turn.lease)
-            w._release(turn.delivery, BUSY_DELAY_S if reason == "session busy" else 0.0)
+            w.release(turn.delivery, BUSY_DELAY_S if reason == "session busy" else 0.0)
 
     def _finish(self, turn: _Turn) -> None:
         with self._lock:

@@ -56,18 +56,27 @@ def noop(
     """Does nothing: for demos and for measuring the dispatcher itself."""
 
 
+#: How often the sleep executor asks the store whether its turn was cancelled (one read).
+SLEEP_VERIFY_S = 0.5
+
+
 def sleep(
     envelope: AgentTurnEnvelope, payload: bytes, guard: WorkItemLeaseGuard, logger: logging.Logger
 ) -> None:
-    """Sleeps ``{"sleep_s": n}`` seconds (default 1), noticing cancellation or a lost lease at once."""
+    """Sleeps ``{"sleep_s": n}`` seconds (default 1); a cancellation or a lost lease ends it within
+    :data:`SLEEP_VERIFY_S`, freeing the worker slot, not at the next renewal."""
     try:
         seconds = float(json.loads(payload or b"{}").get("sleep_s", 1.0))
     except (ValueError, AttributeError, TypeError):
         raise TurnFailed("payload must be JSON with a numeric sleep_s", retryable=False) from None
     deadline = time.monotonic() + max(seconds, 0.0)
+    verify_at = time.monotonic() + SLEEP_VERIFY_S
     while (left := deadline - time.monotonic()) > 0:
         if guard.lost.wait(min(left, 0.05)):
             guard.check()
+        if time.monotonic() >= verify_at:
+            guard.verify()
+            verify_at = time.monotonic() + SLEEP_VERIFY_S
 
 
 def http_executor(settings: Settings) -> Executor:

@@ -33,22 +33,15 @@ from agent_dispatch.lease import LeaseRenewer, SessionHold, WorkItemLeaseGuard, 
 from agent_dispatch.models import Lease, Outcome, WorkItem, WorkState
 from agent_dispatch.settings import Settings
 from agent_dispatch.store import WorkItemStore
-from agent_dispatch.transport import Delivery, Transport
+from agent_dispatch.transport import AckMany, Delivery, Transport
 from agent_dispatch.worker import _metrics as m
-from agent_dispatch.worker._batch import BUSY_DELAY_S, Batch
+from agent_dispatch.worker._batch import BUSY_DELAY_S, Batch, InFlight
 from agent_dispatch.worker._executors import Executor, TurnFailed, run_executor
 
 log = logging.getLogger("agent_dispatch.worker")
 
 #: Turns shorter than this (a moving average) are claimed in batches of ``claim_batch``.
 SHORT_TURN_S = 0.05
-
-
-@dataclass
-class _InFlight:
-    delivery: Delivery
-    lease: Lease | None = None
-    guard: WorkItemLeaseGuard | None = None
 
 
 @dataclass
@@ -90,7 +83,7 @@ class Worker:
         self._stop_claiming = threading.Event()
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._in_flight: dict[str, _InFlight] = {}
+        self._in_flight: dict[str, InFlight] = {}
         self._in_flight_lock = threading.Lock()
         # Unknown until a turn has run: claim one at a time until turns prove short.
         self._turn_s: float | None = None
@@ -131,7 +124,7 @@ class Worker:
         self.renewer.close()
         log.info("worker stopped", extra={"worker_id": self.worker_id, "released": len(leftovers)})
 
-    def _hand_back(self, flight: _InFlight) -> None:
+    def _hand_back(self, flight: InFlight) -> None:
         """Shutdown past the grace period: release the lease and delivery so another worker takes over now."""
         if flight.guard is not None:
             flight.guard.revoke("released at shutdown")
@@ -150,7 +143,7 @@ class Worker:
         turn_s = self._turn_s
         return self.settings.claim_batch if turn_s is not None and turn_s < SHORT_TURN_S else 1
 
-    def _observe_turn(self, seconds: float) -> None:
+    def observe_turn(self, seconds: float) -> None:
         previous = self._turn_s
         self._turn_s = seconds if previous is None else 0.8 * previous + 0.2 * seconds
 
@@ -169,13 +162,13 @@ class Worker:
                 continue
             if self._stop_claiming.is_set():
                 for delivery in deliveries:
-                    self._release(delivery, 0.0)
+                    self.release(delivery, 0.0)
                 continue
             if deliveries:
                 self._handle_batch(owner, deliveries)
 
     def _handle_batch(self, owner: str, deliveries: list[Delivery]) -> None:
-        flights = [_InFlight(delivery) for delivery in deliveries]
+        flights = [InFlight(delivery) for delivery in deliveries]
         with self._in_flight_lock:
             for flight in flights:
                 self._in_flight[flight.delivery.receipt.token] = flight
@@ -194,7 +187,14 @@ class Worker:
                 for flight in flights:
                     self._in_flight.pop(flight.delivery.receipt.token, None)
 
-    def _handle_one(self, owner: str, flight: _InFlight) -> None:
+    # --- what a Batch uses (BatchHost) ----------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the worker stopped claiming (a batch hands its waiting turns back)."""
+        return self._stop_claiming.is_set()
+
+    def handle_one(self, owner: str, flight: InFlight) -> None:
         """The one-by-one path, for what a batch leaves out."""
         try:
             self.handle(owner, flight.delivery, flight)
@@ -223,16 +223,16 @@ class Worker:
 
     # --- one delivery --------------------------------------------------------------------------
 
-    def handle(self, owner: str, delivery: Delivery, flight: _InFlight | None = None) -> str:
+    def handle(self, owner: str, delivery: Delivery, flight: InFlight | None = None) -> str:
         """Process one delivery; returns what happened (for tests and logs)."""
-        flight = flight or _InFlight(delivery)
+        flight = flight or InFlight(delivery)
         try:
             envelope = open_envelope(delivery.wire, self.signing_key)
             item = self.store.get(envelope.job_id)
             if item.tenant != envelope.tenant:
                 raise PoisonEnvelope("envelope tenant does not own its WorkItem")
         except (PoisonEnvelope, NotFound) as exc:
-            return self._poison(delivery, str(exc))
+            return self.poison(delivery, str(exc))
 
         if item.terminal or item.state is WorkState.SUBMITTED:
             # Settled already (a duplicate delivery), or waiting on dependencies: the store
@@ -245,13 +245,13 @@ class Worker:
         if item.not_before is not None and item.state is WorkState.READY:
             wait = (item.not_before - self.store.now()).total_seconds()
             if wait > 0:
-                self._release(delivery, wait)
+                self.release(delivery, wait)
                 return "not-yet-due"
 
         try:
             lease = self.store.claim(owner, work_item_id=item.id, ttl_s=self.settings.claim_ttl_s)
         except LeaseHeld:
-            self._release(delivery, BUSY_DELAY_S)
+            self.release(delivery, BUSY_DELAY_S)
             return "busy"
         except InvalidTransition:
             self._ack(delivery)
@@ -273,7 +273,7 @@ class Worker:
             # The session is busy elsewhere: hand the lease back without spending an attempt.
             with contextlib.suppress(LeaseLost):
                 self.store.defer(flight.lease or lease)
-            self._release(delivery, BUSY_DELAY_S)
+            self.release(delivery, BUSY_DELAY_S)
             return "session-busy"
 
     def _run(
@@ -281,7 +281,7 @@ class Worker:
         delivery: Delivery,
         envelope: AgentTurnEnvelope,
         lease: Lease,
-        flight: _InFlight,
+        flight: InFlight,
         hold: SessionHold,
     ) -> str:
         try:
@@ -307,12 +307,12 @@ class Worker:
                 failure = run_executor(self.executor, envelope, payload, guard, log)
             elapsed = time.perf_counter() - started
             m.EXECUTE_SECONDS.observe(elapsed)
-            self._observe_turn(elapsed)
-            return self._commit(delivery, guard.lease, failure)
+            self.observe_turn(elapsed)
+            return self.commit(delivery, guard.lease, failure)
         except LeaseLost as exc:
-            return self._lease_lost(delivery, exc)
+            return self.lease_lost(delivery, exc)
 
-    def _commit(self, delivery: Delivery, lease: Lease, failure: TurnFailed | None) -> str:
+    def commit(self, delivery: Delivery, lease: Lease, failure: TurnFailed | None) -> str:
         started = time.perf_counter()
         if failure is None:
             self._commit_durably(lease, Outcome.SUCCEEDED)
@@ -325,7 +325,7 @@ class Worker:
                 # The same delivery comes back when the backoff is over; the store is the authority.
                 m.TURNS.labels("retried").inc()
                 delay = (item.not_before - self.store.now()).total_seconds() if item.not_before else 0.0
-                self._release(delivery, max(delay, 0.0))
+                self.release(delivery, max(delay, 0.0))
                 return "retried"
         else:
             self._commit_durably(lease, Outcome.FAILED, error=str(failure))
@@ -358,7 +358,7 @@ class Worker:
                 )
             self._stop_claiming.wait(0.5 * (attempt + 1))
 
-    def _lease_lost(self, delivery: Delivery, exc: LeaseLost) -> str:
+    def lease_lost(self, delivery: Delivery, exc: LeaseLost) -> str:
         reason = (
             "cancelled"
             if isinstance(exc, Cancelled)
@@ -375,7 +375,7 @@ class Worker:
             return "cancelled"
         # Fenced or expired: never acknowledge; the delivery comes back and the authority decides.
         m.TURNS.labels("fenced").inc()
-        self._release(delivery, BUSY_DELAY_S)
+        self.release(delivery, BUSY_DELAY_S)
         return "fenced"
 
     def _expire(self, delivery: Delivery, item: WorkItem) -> str:
@@ -385,7 +385,7 @@ class Worker:
         self._ack(delivery)
         return "expired"
 
-    def _poison(self, delivery: Delivery, reason: str) -> str:
+    def poison(self, delivery: Delivery, reason: str) -> str:
         # A poison envelope never touches a WorkItem (a forgery could name a real one): it is
         # recorded and acknowledged, and the worker carries on.
         m.TURNS.labels("poison").inc()
@@ -400,13 +400,12 @@ class Worker:
         self._ack(delivery)
         return "poison"
 
-    def _ack_many(self, deliveries: list[Delivery]) -> None:
-        ack_many = getattr(self.transport, "ack_many", None)
-        if ack_many is None or len(deliveries) < 2:
+    def ack_many(self, deliveries: list[Delivery]) -> None:
+        if not isinstance(self.transport, AckMany) or len(deliveries) < 2:
             for delivery in deliveries:
                 self._ack(delivery)
             return
-        for receipt in ack_many([d.receipt for d in deliveries]):
+        for receipt in self.transport.ack_many([d.receipt for d in deliveries]):
             log.info("stale receipt; delivery already reassigned", extra={"receipt_owner": receipt.owner})
 
     def _ack(self, delivery: Delivery) -> None:
@@ -418,6 +417,6 @@ class Worker:
                 "stale receipt; delivery already reassigned", extra={"work_item_id": delivery.work_item_id}
             )
 
-    def _release(self, delivery: Delivery, delay_s: float) -> None:
+    def release(self, delivery: Delivery, delay_s: float) -> None:
         with contextlib.suppress(Fenced):
             self.transport.release(delivery.receipt, delay_s=delay_s)

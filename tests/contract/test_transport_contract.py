@@ -1,161 +1,26 @@
-"""The Transport contract, one suite run against every real backend: SQLite, PostgreSQL, Kafka.
-
-Each owner's calls run on a thread of their own, as workers do: a transport may tie consumers
-to threads (Kafka does), and the contract must hold either way.
+"""The Transport contract, one suite run against every implementation: memory, SQLite, PostgreSQL,
+Kafka (see ``_transport_harness``). Scheduling and the capability Protocols have suites of their own
+beside it (``test_transport_scheduling``, ``test_transport_capabilities``).
 """
 
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable
 
 import pytest
 
 from agent_dispatch.errors import Fenced, QueueFull
-from agent_dispatch.settings import Backend, Settings
-from agent_dispatch.transport import Delivery, OutboundTurn, Receipt, Transport
-from agent_dispatch.transports import open_transport
-
-T = TypeVar("T")
-SIGNING_KEY = "contract-suite-signing-key-0123456789abcdef"
-#: Long enough for a slow CI machine to finish one step before a claim times out.
-SHORT_VISIBILITY_S = 2.0
-
-
-class MakeTransport(Protocol):
-    def __call__(self, *, max_depth: int = ..., visibility_timeout_s: float = ...) -> Transport: ...
-
-
-ALL_BACKENDS = [
-    pytest.param(Backend.SQLITE, id="sqlite"),
-    pytest.param(Backend.POSTGRES, id="postgres", marks=pytest.mark.postgres),
-    pytest.param(Backend.KAFKA, id="kafka", marks=pytest.mark.kafka),
-]
-
-
-@pytest.fixture(params=ALL_BACKENDS)
-def make_transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeTransport]:
-    backend: Backend = request.param
-    specific: dict[str, Any] = {}
-    if backend is Backend.POSTGRES:
-        specific["state_db_uri"] = request.getfixturevalue("postgres_dsn")
-    elif backend is Backend.KAFKA:
-        topic = request.getfixturevalue("kafka_topic_name")
-        specific.update(
-            kafka_bootstrap_servers=request.getfixturevalue("kafka_bootstrap"),
-            kafka_topic=topic,
-            kafka_group=f"group-{topic}",
-            partitions=2,
-        )
-    opened: list[Transport] = []
-
-    def make(*, max_depth: int = 1000, visibility_timeout_s: float = 120.0) -> Transport:
-        settings = Settings(
-            backend_choice=backend,
-            max_depth=max_depth,
-            visibility_timeout_s=visibility_timeout_s,
-            signing_key=SIGNING_KEY,
-            data_dir=tmp_path,
-            **specific,
-        )
-        transport = open_transport(settings)
-        opened.append(transport)
-        return transport
-
-    yield make
-    for transport in opened:
-        transport.close()
-
-
-class Owner:
-    """A worker identity whose calls all run on one dedicated thread."""
-
-    def __init__(self, transport: Transport, name: str) -> None:
-        self.transport = transport
-        self.name = name
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-
-    def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return self._thread.submit(fn, *args, **kwargs).result(timeout=60)
-
-    def claim(self, *, max_items: int = 1, wait_s: float = 0.0) -> list[Delivery]:
-        return self._run(self.transport.claim, self.name, max_items=max_items, wait_s=wait_s)
-
-    def claim_one(self, wait_s: float = 15.0) -> Delivery:
-        got = self.claim(wait_s=wait_s)
-        assert len(got) == 1, f"{self.name} expected one delivery within {wait_s}s, got {got}"
-        return got[0]
-
-    def collect(self, count: int, *, wait_s: float = 15.0) -> list[Delivery]:
-        out: list[Delivery] = []
-        deadline = time.monotonic() + wait_s
-        while len(out) < count and time.monotonic() < deadline:
-            out += self.claim(
-                max_items=count - len(out), wait_s=min(1.0, max(deadline - time.monotonic(), 0))
-            )
-        return out
-
-    def ack(self, receipt: Receipt) -> None:
-        self._run(self.transport.ack, receipt)
-
-    def release(self, receipt: Receipt, *, delay_s: float = 0.0) -> None:
-        self._run(self.transport.release, receipt, delay_s=delay_s)
-
-    def close(self) -> None:
-        self._thread.shutdown(wait=True)
-
-
-@pytest.fixture
-def owners() -> Iterator[Callable[[Transport, str], Owner]]:
-    made: list[Owner] = []
-
-    def make(transport: Transport, name: str) -> Owner:
-        owner = Owner(transport, name)
-        made.append(owner)
-        return owner
-
-    yield make
-    for owner in made:
-        owner.close()
-
-
-def turn(n: int = 0, *, session: str | None = None, priority: int = 0) -> OutboundTurn:
-    work_item_id = f"wi-{n}-{uuid.uuid4().hex[:8]}"
-    return OutboundTurn(
-        work_item_id=work_item_id,
-        session_id=session or f"session-{n}",
-        tenant="tenant-a",
-        wire=f'{{"wire":"{work_item_id}"}}'.encode(),
-        priority=priority,
-    )
-
-
-def eventually(check: Callable[[], bool], *, timeout: float = 15.0, polling: Owner | None = None) -> None:
-    """Wait for ``check``. ``polling`` keeps claiming meanwhile, as a live worker does: a transport
-    may settle acknowledgements from its consumer's own loop (Kafka commits offsets there)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        if polling is not None:
-            assert polling.claim(wait_s=0.1) == [], "nothing should be left to claim"
-        else:
-            time.sleep(0.05)
-
-
-def first_redelivery(candidates: list[Owner], *, within_s: float) -> tuple[Owner, Delivery]:
-    """Poll every candidate until one is handed the delivery (Kafka may redeliver to either)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        for owner in candidates:
-            got = owner.claim(wait_s=0.25)
-            if got:
-                assert len(got) == 1
-                return owner, got[0]
-    raise AssertionError(f"no redelivery within {within_s}s")
+from agent_dispatch.settings import Backend
+from agent_dispatch.transport import Receipt, Transport
+from tests.contract._transport_harness import (
+    SHORT_VISIBILITY_S,
+    MakeTransport,
+    Owner,
+    eventually,
+    first_redelivery,
+    turn,
+)
 
 
 def test_admit_claim_ack(make_transport: MakeTransport, owners: Callable[[Transport, str], Owner]) -> None:

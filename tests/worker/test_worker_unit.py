@@ -201,6 +201,22 @@ def test_cancel_while_running_stops_the_turn_promptly(running: list[Worker]) -> 
     assert store.get(item.id).state is WorkState.CANCELLED
 
 
+def test_a_cancelled_sleep_frees_its_worker_slot_promptly(running: list[Worker]) -> None:
+    """With the default renewal pace (far longer than the test), not only when renewals are fast."""
+    store, transport, worker = make(sleep, concurrency=1, ttl=120, renew=30)
+    item = enqueue(store, transport, payload=json.dumps({"sleep_s": 60}).encode())
+    worker.start()
+    running.append(worker)
+    wait_for(lambda: store.get(item.id).state is WorkState.RUNNING, what="running")
+    started = time.monotonic()
+    store.cancel(item.id, tenant="acme", reason="user asked")
+    wait_for(lambda: transport.depth() == 0, timeout=10, what="cancelled delivery acknowledged")
+    assert time.monotonic() - started < 2.0, "the slot was held past the cancellation"
+    # The one slot is free again: the next turn runs now, not after the 60 s sleep.
+    quick = enqueue(store, transport, payload=json.dumps({"sleep_s": 0}).encode())
+    wait_for(lambda: store.get(quick.id).state is WorkState.SUCCEEDED, timeout=5, what="next turn")
+
+
 def test_one_session_never_overlaps(running: list[Worker]) -> None:
     recorder = Recorder(hold=0.05)
     store, transport, worker = make(recorder, concurrency=4)
