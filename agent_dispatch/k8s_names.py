@@ -50,6 +50,9 @@ LEASE_API_VERSION: Final = "coordination.k8s.io/v1"
 INSTANCE_ENV: Final = "AGENT_DISPATCH_INSTANCE"
 NAMESPACE_ENV: Final = "AGENT_DISPATCH_NAMESPACE"
 WORKER_ID_ENV: Final = "AGENT_DISPATCH_WORKER_ID"
+#: The worker pod's uid (downward API): its heartbeat Lease is owned by the pod, so the garbage
+#: collector removes the Lease with the pod even when the worker could not delete it itself.
+POD_UID_ENV: Final = "AGENT_DISPATCH_POD_UID"
 
 #: The worker's metrics/health port name on the pod and the Service.
 METRICS_PORT_NAME: Final = "metrics"

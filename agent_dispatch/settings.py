@@ -95,6 +95,7 @@ ALLOWED: Final[dict[str, str]] = {
     "AGENT_DISPATCH_INSTANCE": "the AgentDispatch resource name (a DNS-1123 label)",
     "AGENT_DISPATCH_NAMESPACE": "a Kubernetes namespace (a DNS-1123 label)",
     "AGENT_DISPATCH_WORKER_ID": "letters, digits, '.', '_', '-' (up to 200)",
+    "AGENT_DISPATCH_POD_UID": "the worker pod's uid (a UUID, from the downward API)",
     "AGENT_DISPATCH_GATEWAY_HOST": "an IP address or host name to listen on (default 127.0.0.1)",
     "AGENT_DISPATCH_GATEWAY_PORT": "a TCP port from 0 to 65535 (0: any free port)",
     "AGENT_DISPATCH_TOKENS_FILE": "a file (YAML or JSON) mapping each tenant to the sha256 hex of its bearer token",
@@ -192,6 +193,9 @@ class Settings(BaseSettings):
     )
     worker_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,200}$")] | None = Field(
         None, validation_alias=AliasChoices("AGENT_DISPATCH_WORKER_ID", "POD_NAME")
+    )
+    pod_uid: Annotated[str, Field(pattern=r"^[0-9a-fA-F-]{1,64}$")] | None = Field(
+        None, validation_alias=_env("AGENT_DISPATCH_POD_UID")
     )
 
     gateway_host: Annotated[str, Field(pattern=r"^[A-Za-z0-9.:_\[\]-]{1,253}$")] = Field(

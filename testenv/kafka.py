@@ -201,9 +201,15 @@ class KafkaBroker(LoopbackService):
     CRASH_SIGNAL = signal.SIGKILL
 
     def __init__(
-        self, version: str = KAFKA_VERSION, *, extra_config: Mapping[str, str] | None = None
+        self,
+        version: str = KAFKA_VERSION,
+        *,
+        extra_config: Mapping[str, str] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
+        """``host``: the address clients use (loopback, or the host end of a test node's veth)."""
         super().__init__()
+        self.host = host
         self.kafka_version = version
         self.version = f"Apache Kafka {version}"
         self.port = 0
@@ -215,7 +221,7 @@ class KafkaBroker(LoopbackService):
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def log_path(self) -> Path:
@@ -239,7 +245,7 @@ class KafkaBroker(LoopbackService):
         self._format_storage()
 
     def _server_properties(self) -> str:
-        broker, controller = f"127.0.0.1:{self.port}", f"127.0.0.1:{self.controller_port}"
+        broker, controller = f"{self.host}:{self.port}", f"127.0.0.1:{self.controller_port}"
         settings = {
             "process.roles": "broker,controller",
             "node.id": "1",
@@ -334,7 +340,7 @@ class KafkaBroker(LoopbackService):
 
     def _serves_metadata(self) -> bool:
         # Probe the socket first: an AdminClient against a closed port only retries and logs.
-        if not port_open(self.port):
+        if not port_open(self.port, self.host):
             return False
         from confluent_kafka.admin import AdminClient
 

@@ -153,8 +153,12 @@ class PostgresServer(LoopbackService):
     STOP_SIGNAL = signal.SIGINT
     CRASH_SIGNAL = signal.SIGQUIT
 
-    def __init__(self) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", clients: str = "127.0.0.1/32") -> None:
+        """``host`` is the address clients use (loopback, or the host end of a test node's veth);
+        ``clients`` the network trusted to connect from (the node's pods are masqueraded into it)."""
         super().__init__()
+        self.host = host
+        self.clients = clients
         self._install: Installation | None = None
         self._user: _OsUser | None = None
         self.port = 0
@@ -168,7 +172,7 @@ class PostgresServer(LoopbackService):
         return self.dsn_for("postgres")
 
     def dsn_for(self, dbname: str) -> str:
-        return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{dbname}"
+        return f"postgresql://{SUPERUSER}@{self.host}:{self.port}/{dbname}"
 
     @property
     def log_path(self) -> Path:
@@ -288,7 +292,7 @@ class PostgresServer(LoopbackService):
     def _write_config(self) -> None:
         settings = dict(
             SERVER_SETTINGS,
-            listen_addresses="'127.0.0.1'",
+            listen_addresses=f"'{','.join(sorted({'127.0.0.1', self.host}))}'",
             port=str(self.port),
             unix_socket_directories=f"'{self._workdir}'",
         )
@@ -297,7 +301,8 @@ class PostgresServer(LoopbackService):
             conf.writelines(f"{key} = {value}\n" for key, value in settings.items())
         # Trust, but only over the unix socket in our private directory and IPv4 loopback.
         (self.data_dir / "pg_hba.conf").write_text(
-            "local all all trust\nhost all all 127.0.0.1/32 trust\nlocal replication all trust\n"
+            f"local all all trust\nhost all all 127.0.0.1/32 trust\nhost all all {self.clients} trust\n"
+            "local replication all trust\n"
             "host replication all 127.0.0.1/32 trust\n"
         )
 

@@ -6,7 +6,12 @@ import pytest
 
 from tests._fixtures import USED
 
-pytest_plugins = ["tests._fixtures.services", "tests._fixtures.kube", "tests._fixtures.chaos"]
+pytest_plugins = [
+    "tests._fixtures.services",
+    "tests._fixtures.kube",
+    "tests._fixtures.node",
+    "tests._fixtures.chaos",
+]
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

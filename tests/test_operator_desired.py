@@ -61,6 +61,7 @@ def postgres_spec(**overrides: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "backend": "postgres",
         "postgres": {"dsnSecretRef": {"name": "pg", "key": "dsn"}},
+        "signingKeySecretRef": {"name": "signing", "key": "key"},
         "worker": {"image": "img:1"},
     }
     spec.update(overrides)
@@ -236,6 +237,16 @@ def test_deployment_shape_and_pod_security() -> None:
     assert pod["terminationGracePeriodSeconds"] == 30 + _desired.KILL_MARGIN_S
 
 
+def test_worker_service_account_defaults_to_the_releases_and_the_spec_wins() -> None:
+    """The chart tells the operator its release's worker ServiceAccount; a spec naming one keeps it."""
+    pod = _desired.desired(body(), None, "rel-worker").deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "rel-worker"
+    spec = kafka_spec(worker={"image": "img:1", "serviceAccountName": "own"})
+    pod = _desired.desired(body(spec), None, "rel-worker").deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "own"
+    assert "serviceAccountName" not in _desired.desired(body()).deployment["spec"]["template"]["spec"]
+
+
 def test_service_selects_the_worker_pods() -> None:
     rendered = _desired.desired(body())
     assert rendered.service["spec"]["selector"] == rendered.deployment["spec"]["selector"]["matchLabels"]
@@ -323,6 +334,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("negative depth", kafka_spec(maxDepth=-5), "spec.maxDepth"),
     ("postgres without dsn", {"backend": "postgres", "worker": {"image": "x"}}, "spec.postgres.dsnSecretRef"),
     ("kafka without servers", kafka_spec(kafka={"topic": "t"}), "spec.kafka.bootstrapServers"),
+    ("postgres without a signing key", postgres_spec(signingKeySecretRef=None), "spec.signingKeySecretRef"),
     (
         "kafka with both",
         kafka_spec(

@@ -111,6 +111,7 @@ def worker_env(instance: str, spec: DispatchSpec) -> list[dict[str, Any]]:
         _env_value(k8s_names.INSTANCE_ENV, instance),
         {"name": k8s_names.NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": k8s_names.WORKER_ID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": k8s_names.POD_UID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
     ]
     # Validation refuses reserved names; skipping them here too keeps an apply from ever
     # carrying two entries for one name (server-side apply rejects duplicate list-map keys).
@@ -139,9 +140,12 @@ def _pod_security() -> dict[str, Any]:
     }
 
 
-def deployment(instance: str, spec: DispatchSpec) -> dict[str, Any]:
+def deployment(
+    instance: str, spec: DispatchSpec, default_service_account: str | None = None
+) -> dict[str, Any]:
     """The worker Deployment. With autoscaling on, ``spec.replicas`` is left out entirely so the
-    server-side apply never takes it back from the HPA or KEDA."""
+    server-side apply never takes it back from the HPA or KEDA. ``default_service_account`` (the
+    worker ServiceAccount the chart made for this release) applies when the spec names none."""
     worker = spec.worker
     name = worker_name(instance)
     container: dict[str, Any] = {
@@ -177,8 +181,9 @@ def deployment(instance: str, spec: DispatchSpec) -> dict[str, Any]:
         "containers": [container],
         "volumes": [{"name": "data", "emptyDir": {}}, {"name": "tmp", "emptyDir": {"medium": "Memory"}}],
     }
-    if worker.service_account_name:
-        pod_spec["serviceAccountName"] = worker.service_account_name
+    service_account = worker.service_account_name or default_service_account
+    if service_account:
+        pod_spec["serviceAccountName"] = service_account
     if worker.node_selector:
         pod_spec["nodeSelector"] = dict(worker.node_selector)
     if worker.tolerations:
@@ -323,7 +328,9 @@ class Desired:
         return [self.deployment, self.service, *([self.autoscaler] if self.autoscaler else [])]
 
 
-def desired(body: Mapping[str, Any], depth_query: str | None = None) -> Desired:
+def desired(
+    body: Mapping[str, Any], depth_query: str | None = None, default_service_account: str | None = None
+) -> Desired:
     """Render an AgentDispatch ``body`` (apiVersion, kind, metadata with name, namespace and uid,
     spec) into its children, owned by it through a controller owner reference."""
     meta = body["metadata"]
@@ -340,7 +347,9 @@ def desired(body: Mapping[str, Any], depth_query: str | None = None) -> Desired:
         autoscaler, absent = scaled_object(instance, spec, depth_query), (hpa_ref,)
     else:
         autoscaler, absent = None, (hpa_ref, keda_ref)
-    result = Desired(deployment(instance, spec), service(instance, spec), autoscaler, absent)
+    result = Desired(
+        deployment(instance, spec, default_service_account), service(instance, spec), autoscaler, absent
+    )
     # kopf.adopt sets the controller owner reference (so deletion cascades), the namespace, and
     # copies the owner's labels without overriding ours; it is pure on plain dicts.
     kopf.adopt(result.objects, owner=kopf.Body(_owner_view(body)))

@@ -54,6 +54,17 @@ def queue_depth(dsn: str) -> HookResult:
         transport.close()
 
 
+#: Set by the Helm chart on the operator's container: the worker ServiceAccount of the release,
+#: used when an AgentDispatch names none (so no manifest hard-codes a release's name).
+WORKER_SERVICE_ACCOUNT_ENV = "AGENT_DISPATCH_WORKER_SERVICE_ACCOUNT"
+
+
+def default_worker_service_account() -> str | None:
+    import os
+
+    return os.environ.get(WORKER_SERVICE_ACCOUNT_ENV) or None
+
+
 def depth_query() -> str:
     """The KEDA postgresql trigger's query."""
     from agent_dispatch.operator._desired import DEFAULT_DEPTH_QUERY

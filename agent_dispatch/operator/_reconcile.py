@@ -245,7 +245,7 @@ def _apply_children(
 ) -> tuple[list[Change], str | None]:
     """Server-side apply the rendered objects; delete autoscalers of the other mode. Returns the
     changes and an autoscaler error (KEDA not installed, say), which does not stop the rest."""
-    rendered = _desired.desired(body, _hooks.depth_query())
+    rendered = _desired.desired(body, _hooks.depth_query(), _hooks.default_worker_service_account())
     namespace = str(body["metadata"]["namespace"])
     changes: list[Change] = []
     autoscaler_error: str | None = None

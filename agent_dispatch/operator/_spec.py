@@ -73,6 +73,7 @@ RESERVED_ENV: Final = (
     k8s_names.INSTANCE_ENV,
     k8s_names.NAMESPACE_ENV,
     k8s_names.WORKER_ID_ENV,
+    k8s_names.POD_UID_ENV,
 )
 
 #: Rendered object names append "-worker"; a Service name is a DNS-1035 label of at most 63.

@@ -96,6 +96,11 @@ def cross_field_problems(spec: DispatchSpec) -> list[Problem]:
         "spec.postgres.dsnSecretRef",
         "is required when spec.backend is postgres",
     )
+    need(
+        spec.backend == "sqlite" or spec.signing_key_secret is not None,
+        "spec.signingKeySecretRef",
+        "is required when spec.backend is postgres or kafka (workers and gateways share one key)",
+    )
     kafka = spec.kafka
     need(
         spec.backend != "kafka"

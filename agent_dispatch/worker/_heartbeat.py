@@ -23,8 +23,13 @@ def lease_name(instance: str, worker_id: str) -> str:
     return name[:253].rstrip("-")
 
 
-def lease_body(instance: str, worker_id: str, duration_s: int, now: datetime) -> dict[str, Any]:
+def lease_body(
+    instance: str, worker_id: str, duration_s: int, now: datetime, pod_uid: str | None = None
+) -> dict[str, Any]:
+    """The Lease; with ``pod_uid``, owned by the worker's pod (named ``worker_id``), as a kubelet's
+    node lease is owned by its Node, so it goes with the pod whatever the worker managed to do."""
     stamp = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    owners = [{"apiVersion": "v1", "kind": "Pod", "name": worker_id, "uid": pod_uid}] if pod_uid else []
     return {
         "apiVersion": names.LEASE_API_VERSION,
         "kind": "Lease",
@@ -35,6 +40,7 @@ def lease_body(instance: str, worker_id: str, duration_s: int, now: datetime) ->
                 names.COMPONENT_LABEL: names.WORKER_COMPONENT,
                 names.NAME_LABEL: names.APP_NAME,
             },
+            **({"ownerReferences": owners} if owners else {}),
         },
         "spec": {"holderIdentity": worker_id, "leaseDurationSeconds": duration_s, "renewTime": stamp},
     }
@@ -52,6 +58,7 @@ class LeaseHeartbeat:
         *,
         duration_s: int,
         interval_s: float,
+        pod_uid: str | None = None,
     ) -> None:
         from kubernetes import client
 
@@ -61,6 +68,7 @@ class LeaseHeartbeat:
         self._worker_id = worker_id
         self._duration_s = duration_s
         self._interval_s = interval_s
+        self._pod_uid = pod_uid
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="lease-heartbeat", daemon=True)
         self.name = lease_name(instance, worker_id)
@@ -78,7 +86,7 @@ class LeaseHeartbeat:
     def beat(self) -> None:
         from kubernetes.client.exceptions import ApiException
 
-        body = lease_body(self._instance, self._worker_id, self._duration_s, datetime.now(UTC))
+        body = lease_body(self._instance, self._worker_id, self._duration_s, datetime.now(UTC), self._pod_uid)
         try:
             self._api.patch_namespaced_lease(self.name, self._namespace, body)
         except ApiException as exc:

@@ -22,6 +22,7 @@ def valid_spec() -> dict[str, Any]:
         "backend": "kafka",
         "partitions": 6,
         "kafka": {"bootstrapServers": "kafka-0.kafka:9092"},
+        "signingKeySecretRef": {"name": "signing", "key": "key"},
         "worker": {"image": "agent-dispatch:test"},
     }
 
@@ -61,6 +62,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "spec.postgres.dsnSecretRef",
     ),
     ("kafka without bootstrap servers", with_("kafka", {"topic": "t"}), "spec.kafka.bootstrapServers"),
+    # Workers would crash-loop on "AGENT_DISPATCH_SIGNING_KEY is required" (found on a real node).
+    ("kafka without a signing key", with_("signingKeySecretRef", None), "spec.signingKeySecretRef"),
     (
         "kafka servers both inline and from a secret",
         with_("kafka.bootstrapServersSecretRef", {"name": "k", "key": "servers"}),

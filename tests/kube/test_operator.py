@@ -349,6 +349,7 @@ def test_hpa_mode_targets_the_deployment_and_replicas_are_left_alone(
     spec = {
         "backend": "postgres",
         "postgres": {"dsnSecretRef": {"name": "pg", "key": "dsn"}},
+        "signingKeySecretRef": {"name": "signing", "key": "key"},
         "worker": {"image": IMAGE, "replicas": 5},
         "autoscaling": {"mode": "hpa", "minReplicas": 2, "maxReplicas": 8, "targetDepthPerReplica": 20},
     }
@@ -438,6 +439,7 @@ def test_kafka_partitions_grow_and_a_decrease_is_refused(
             "topic": kafka_topic_name,
             "replicationFactor": 1,
         },
+        "signingKeySecretRef": {"name": "signing", "key": "key"},
         "worker": {"image": IMAGE},
     }
     kubectl_apply(kube, ns, agentdispatch("stream", spec))
@@ -526,6 +528,7 @@ def test_keda_scaled_object_validates_against_kedas_crd(
         "backend": "kafka",
         "partitions": 4,
         "kafka": {"bootstrapServers": kafka_bootstrap, "topic": kafka_topic_name},
+        "signingKeySecretRef": {"name": "signing", "key": "key"},
         "worker": {"image": IMAGE},
         "autoscaling": {"mode": "keda", "minReplicas": 0, "maxReplicas": 4, "targetDepthPerReplica": 50},
     }
