@@ -194,7 +194,7 @@ _PICK = """
                    AND q.priority = p.priority AND q.state = 'r'
                  ORDER BY q.deadline, q.enqueued_at, q.id LIMIT 1) r ON true"""
 
-#: The reads of ``agent_dispatch_queue_claim`` (``_pg_schema.py``), as it runs them.
+#: The reads of ``agent_dispatch_queue_claim`` (``transports/postgres/sql/queue.sql``), as it runs them.
 EXPLAINED = {
     "wake-up probe (first entry of the wake-up index)": """
         SELECT q.visible_at FROM agent_dispatch_queue q WHERE q.state <> 'r' ORDER BY q.visible_at LIMIT 1""",

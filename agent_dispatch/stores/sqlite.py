@@ -23,7 +23,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
 
-from agent_dispatch.errors import BackendUnavailable, DispatchError, SchemaOutdated
+from agent_dispatch.db import sql
+from agent_dispatch.db.migrate import ComponentVersions, Schema, apply, require
+from agent_dispatch.db.sqlite import ThreadConnections
+from agent_dispatch.errors import BackendUnavailable, DispatchError
 from agent_dispatch.models import Outcome, OutcomeRecord, SubmitRequest, SubmitResult, WorkItem, WorkState
 from agent_dispatch.settings import Settings
 from agent_dispatch.settings import load as load_settings
@@ -43,81 +46,17 @@ T: Final = "agent_dispatch_work_items"
 DEPS: Final = "agent_dispatch_dependencies"
 OUTCOMES: Final = "agent_dispatch_outcomes"
 COUNTERS: Final = "agent_dispatch_counters"
-VERSIONS: Final = "agent_dispatch_schema_version"
 
-_ACTIVE: Final = "state IN ('ready', 'leased', 'running')"
 _NON_TERMINAL: Final = "state IN ('submitted', 'ready', 'leased', 'running')"
 
-#: version -> statements. Append new versions; never edit one that has shipped.
-MIGRATIONS: Final[Mapping[int, Sequence[str]]] = {
-    1: (
-        f"""CREATE TABLE {COUNTERS} (name TEXT PRIMARY KEY, value INTEGER NOT NULL)""",
-        f"""INSERT INTO {COUNTERS} (name, value) VALUES ('fencing_token', 0)""",
-        f"""CREATE TABLE {T} (
-            seq INTEGER PRIMARY KEY AUTOINCREMENT,
-            id TEXT NOT NULL UNIQUE,
-            tenant TEXT NOT NULL CHECK (tenant <> ''),
-            kind TEXT NOT NULL,
-            queue TEXT NOT NULL,
-            session_id TEXT NOT NULL,
-            state TEXT NOT NULL CHECK (state IN ('submitted', 'ready', 'leased', 'running',
-                                                 'succeeded', 'failed', 'cancelled', 'dead_letter')),
-            priority INTEGER NOT NULL,
-            deadline REAL,
-            attempt INTEGER NOT NULL CHECK (attempt >= 0 AND attempt <= max_attempts),
-            max_attempts INTEGER NOT NULL CHECK (max_attempts >= 1),
-            lease_epoch INTEGER NOT NULL,
-            fencing_token INTEGER NOT NULL,
-            lease_owner TEXT,
-            lease_expires_at REAL,
-            not_before REAL,
-            idempotency_key TEXT,
-            depends_on TEXT NOT NULL,
-            pending_deps INTEGER NOT NULL,
-            fairness_group TEXT,
-            payload BLOB NOT NULL,
-            payload_size INTEGER NOT NULL,
-            payload_digest BLOB NOT NULL,
-            outcome TEXT,
-            error TEXT,
-            commit_token INTEGER,
-            last_dispatched_at REAL,
-            created_at REAL NOT NULL,
-            updated_at REAL NOT NULL,
-            UNIQUE (tenant, idempotency_key)
-        )""",
-        # The claim order (priority, then age) with the claimable states as the index predicate.
-        f"CREATE INDEX {T}_claim_queue ON {T} (queue, priority DESC, seq) WHERE {_ACTIVE}",
-        f"CREATE INDEX {T}_claim_any ON {T} (priority DESC, seq) WHERE {_ACTIVE}",
-        f"CREATE INDEX {T}_leases ON {T} (lease_expires_at) WHERE state IN ('leased', 'running')",
-        f"CREATE INDEX {T}_dispatch ON {T} (last_dispatched_at) WHERE state = 'ready'",
-        f"CREATE INDEX {T}_deadline ON {T} (deadline) WHERE deadline IS NOT NULL AND {_NON_TERMINAL}",
-        f"CREATE INDEX {T}_tenant ON {T} (tenant, seq)",
-        f"""CREATE TABLE {DEPS} (
-            dependency TEXT NOT NULL,
-            dependent TEXT NOT NULL,
-            PRIMARY KEY (dependency, dependent)
-        ) WITHOUT ROWID""",
-        f"""CREATE TABLE {OUTCOMES} (
-            seq INTEGER PRIMARY KEY AUTOINCREMENT,
-            work_item_id TEXT NOT NULL,
-            tenant TEXT NOT NULL,
-            event TEXT NOT NULL,
-            owner TEXT,
-            lease_epoch INTEGER NOT NULL,
-            fencing_token INTEGER NOT NULL,
-            at REAL NOT NULL,
-            outcome TEXT,
-            detail TEXT
-        )""",
-        f"CREATE INDEX {OUTCOMES}_item ON {OUTCOMES} (work_item_id, seq)",
-        # Append-only in the database too, not just by convention in this code.
-        f"""CREATE TRIGGER {OUTCOMES}_no_update BEFORE UPDATE ON {OUTCOMES}
-            BEGIN SELECT RAISE(ABORT, 'outcome records are append-only'); END""",
-        f"""CREATE TRIGGER {OUTCOMES}_no_delete BEFORE DELETE ON {OUTCOMES}
-            BEGIN SELECT RAISE(ABORT, 'outcome records are append-only'); END""",
-    ),
-}
+#: The WorkItem schema on SQLite: ``sql/sqlite_v<N>.sql`` takes version N-1 to N.
+SCHEMA: Final = Schema(
+    title="the WorkItem schema in the SQLite database",
+    version=SCHEMA_VERSION,
+    record=ComponentVersions("sqlite", COMPONENT),
+    steps={1: tuple(sql.load(__package__ or "agent_dispatch.stores", "sql/sqlite_v1.sql").values())},
+    hint=MIGRATE_HINT,
+)
 
 _COLUMNS: Final = ", ".join(ROW_FIELDS)
 _INSERT_FIELDS: Final = tuple(f for f in ROW_FIELDS if f != "seq")
@@ -125,11 +64,9 @@ _INSERT: Final = f"INSERT INTO {T} ({', '.join(_INSERT_FIELDS)}, payload) VALUES
 _UPDATE_FIELDS: Final = tuple(f for f in ROW_FIELDS if f not in {"seq", "id"})
 _UPDATE: Final = f"UPDATE {T} SET {', '.join(f'{f} = ?' for f in _UPDATE_FIELDS)} WHERE id = ?"
 _CLAIMABLE: Final = (
-    f"{_ACTIVE} AND CASE WHEN state = 'ready' THEN coalesce(not_before <= :now, 1)"
+    "state IN ('ready', 'leased', 'running') AND CASE WHEN state = 'ready' THEN coalesce(not_before <= :now, 1)"
     " ELSE lease_expires_at <= :now END"
 )
-# SQLite's clock in unix seconds (julianday has millisecond resolution).
-_NOW: Final = "SELECT (julianday('now') - 2440587.5) * 86400.0"
 
 
 def _to_db(name: str, value: Any) -> Any:
@@ -282,65 +219,36 @@ class _SqliteTx:
 class SqliteStore(EngineStore):
     """WorkItemStore on one SQLite file (shared safely by threads and local processes)."""
 
-    BUSY_TIMEOUT_S: Final = 30.0
+    #: Class-level so a test can pose as newer code (see tests/contract).
+    schema: Schema = SCHEMA
 
     def __init__(self, path: Path | str, settings: Settings | None = None) -> None:
         super().__init__(Limits.of(settings or load_settings()))
         self.path = Path(path)
-        self._local = threading.local()
+        self._db = ThreadConnections(self.path, "SQLite store")
         self._lock = threading.Lock()
-        self._connections: list[sqlite3.Connection] = []
         self._schema_ok = False
         self._clock_offset_s = 0.0
         self._leaders: dict[str, int] = {}
-        self._closed = False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._connection()
+            self._db.get()
         except (OSError, sqlite3.Error) as exc:
             raise BackendUnavailable(f"SQLite database cannot be opened: {exc}") from exc
 
-    # --- connections and transactions --------------------------------------------------------------
-
-    def _connection(self) -> sqlite3.Connection:
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is not None:
-            return conn
-        if self._closed:
-            raise BackendUnavailable("the SQLite store is closed")
-        # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
-        conn = sqlite3.connect(
-            self.path, timeout=self.BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-        )
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
-        conn.execute("PRAGMA foreign_keys=ON")
-        self._local.conn = conn
-        with self._lock:
-            self._connections.append(conn)
-        return conn
+    # --- transactions --------------------------------------------------------------------------------
 
     def set_clock_offset_for_tests(self, seconds: float) -> None:
         """Test hook: shift this store's reading of the SQLite clock by ``seconds``."""
         self._clock_offset_s = float(seconds)
 
-    def _now(self, conn: sqlite3.Connection) -> float:
-        return float(conn.execute(_NOW).fetchone()[0]) + self._clock_offset_s
-
     @contextmanager
     def _transaction(self, begin: str) -> Iterator[_SqliteTx]:
-        conn = self._connection()
-        self._check_schema(conn)
-        try:
-            conn.execute(begin)
-        except sqlite3.OperationalError as exc:
-            raise BackendUnavailable(f"SQLite is busy or unavailable: {exc}") from exc
-        try:
-            yield _SqliteTx(conn, self._now(conn))
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
+        if not self._schema_ok:
+            require(self._db.get(), self.schema)
+            self._schema_ok = True
+        with self._db.transaction(begin) as conn:
+            yield _SqliteTx(conn, self._db.now(conn) + self._clock_offset_s)
 
     def _write(self) -> contextlib.AbstractContextManager[_SqliteTx]:
         return self._transaction("BEGIN IMMEDIATE")
@@ -348,53 +256,11 @@ class SqliteStore(EngineStore):
     def _read(self) -> contextlib.AbstractContextManager[_SqliteTx]:
         return self._transaction("BEGIN")
 
-    # --- schema ------------------------------------------------------------------------------------------
-
-    def _version(self, conn: sqlite3.Connection) -> int:
-        exists = conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (VERSIONS,)
-        ).fetchone()
-        if exists is None:
-            return 0
-        rec = conn.execute(
-            f"SELECT max(version) FROM {VERSIONS} WHERE component = ?", (COMPONENT,)
-        ).fetchone()
-        return int(rec[0] or 0)
-
-    def _check_schema(self, conn: sqlite3.Connection) -> None:
-        if self._schema_ok:
-            return
-        version = self._version(conn)
-        if version < SCHEMA_VERSION:
-            raise SchemaOutdated(
-                f"the WorkItem schema in the SQLite database is at version {version}; this code needs "
-                f"{SCHEMA_VERSION}: {MIGRATE_HINT}"
-            )
-        self._schema_ok = True
-
     def migrate(self) -> int:
-        conn = self._connection()
-        conn.execute("BEGIN IMMEDIATE")  # one migrator at a time, all or nothing
-        try:
-            conn.execute(
-                f"CREATE TABLE IF NOT EXISTS {VERSIONS} (component TEXT NOT NULL, version INTEGER NOT NULL,"
-                " applied_at REAL NOT NULL, PRIMARY KEY (component, version))"
-            )
-            current = self._version(conn)
-            for version in sorted(v for v in MIGRATIONS if v > current):
-                for statement in MIGRATIONS[version]:
-                    conn.execute(statement)
-                conn.execute(
-                    f"INSERT INTO {VERSIONS} (component, version, applied_at) VALUES (?, ?, ?)",
-                    (COMPONENT, version, self._now(conn)),
-                )
-                current = version
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-        self._schema_ok = current >= SCHEMA_VERSION
-        return current
+        with self._db.transaction() as conn:  # one migrator at a time, all or nothing
+            version = apply(conn, self.schema)
+        self._schema_ok = True
+        return version
 
     # --- one transaction with the queue (the enqueue path, agent_dispatch.dispatch) ----------------------
 
@@ -477,12 +343,7 @@ class SqliteStore(EngineStore):
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
             for fd in self._leaders.values():
                 os.close(fd)  # closing the descriptor releases the flock
             self._leaders.clear()
-            connections, self._connections = self._connections, []
-        for conn in connections:
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
-        self._local = threading.local()
+        self._db.close()

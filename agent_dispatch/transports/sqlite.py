@@ -18,52 +18,30 @@ Fairness across tenants is the PostgreSQL transport's job; local runs have one u
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
-from agent_dispatch.errors import BackendUnavailable, DepthUnavailable, Fenced, QueueFull, SchemaOutdated
+from agent_dispatch.db import sql
+from agent_dispatch.db.migrate import ComponentVersions, Schema, apply
+from agent_dispatch.db.sqlite import ThreadConnections
+from agent_dispatch.errors import BackendUnavailable, DepthUnavailable, Fenced, QueueFull
 from agent_dispatch.settings import Backend, Settings
 from agent_dispatch.transport import Delivery, OutboundTurn, Receipt
 
-SCHEMA_VERSION: Final = 1
-COMPONENT: Final = "queue"
 QUEUE: Final = "agent_dispatch_queue"
 DEPTH: Final = "agent_dispatch_queue_depth"
-#: Shared with the WorkItem store (one row per component and version).
-VERSIONS: Final = "agent_dispatch_schema_version"
 _RECEIPT_PREFIX: Final = "sq1"
-# SQLite's clock in unix seconds, as the WorkItem store reads it (one clock for both).
-_NOW_EXPR: Final = "(julianday('now') - 2440587.5) * 86400.0"
-_NOW: Final = f"SELECT {_NOW_EXPR}"
-
-_SCHEMA: Final = (
-    f"""CREATE TABLE IF NOT EXISTS {QUEUE} (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        work_item_id TEXT NOT NULL UNIQUE,
-        session_id TEXT NOT NULL,
-        priority INTEGER NOT NULL,
-        deadline_key REAL NOT NULL,
-        enqueued_at REAL NOT NULL,
-        visible_at REAL NOT NULL,
-        claim_owner TEXT,
-        claim_token TEXT,
-        deliveries INTEGER NOT NULL DEFAULT 0,
-        wire BLOB NOT NULL
-    )""",
-    f"CREATE INDEX IF NOT EXISTS {QUEUE}_order ON {QUEUE} (priority DESC, deadline_key, enqueued_at, id)",
-    f"CREATE INDEX IF NOT EXISTS {QUEUE}_expiry ON {QUEUE} (deadline_key)",
-    f"""CREATE TABLE IF NOT EXISTS {DEPTH} (
-        singleton INTEGER PRIMARY KEY CHECK (singleton = 1),
-        depth INTEGER NOT NULL CHECK (depth >= 0)
-    )""",
-    f"INSERT OR IGNORE INTO {DEPTH} (singleton, depth) VALUES (1, 0)",
+#: The queue's schema: its current shape asserted on every start (``ensure_ready``).
+SCHEMA: Final = Schema(
+    title="the queue schema",
+    version=1,
+    record=ComponentVersions("sqlite", "queue"),
+    ensure=tuple(sql.load(__package__ or "agent_dispatch.transports", "sql/sqlite_queue.sql").values()),
 )
 
 #: ``deadline_key`` of a turn without a deadline: after every real one.
@@ -90,7 +68,6 @@ class SqliteTransport:
     """The SQLite queue; thread-safe (one connection per thread), shareable by local processes."""
 
     backend = Backend.SQLITE
-    BUSY_TIMEOUT_S: Final = 30.0
 
     def __init__(
         self,
@@ -104,14 +81,11 @@ class SqliteTransport:
         self.max_depth = max_depth
         self.visibility_timeout_s = visibility_timeout_s
         self.poll_interval_s = poll_interval_s
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._connections: list[sqlite3.Connection] = []
+        self._db = ThreadConnections(self.path, "sqlite transport")
         # Wakes claimers in this process at once; other processes are found by polling.
         self._cond = threading.Condition()
         self._generation = 0
         self._ready = False
-        self._closed = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SqliteTransport:
@@ -133,39 +107,14 @@ class SqliteTransport:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self._write() as conn:
-                conn.execute(
-                    f"CREATE TABLE IF NOT EXISTS {VERSIONS} (component TEXT NOT NULL, version INTEGER NOT NULL,"
-                    " applied_at REAL NOT NULL, PRIMARY KEY (component, version))"
-                )
-                row = conn.execute(
-                    f"SELECT max(version) FROM {VERSIONS} WHERE component = ?", (COMPONENT,)
-                ).fetchone()
-                current = int(row[0] or 0)
-                if current > SCHEMA_VERSION:
-                    raise SchemaOutdated(
-                        f"the queue schema is version {current}; this code knows {SCHEMA_VERSION}: "
-                        "upgrade agent-dispatch"
-                    )
-                for statement in _SCHEMA:
-                    conn.execute(statement)
-                if current < SCHEMA_VERSION:
-                    conn.execute(
-                        f"INSERT INTO {VERSIONS} (component, version, applied_at) VALUES (?, ?, {_NOW_EXPR})",
-                        (COMPONENT, SCHEMA_VERSION),
-                    )
+            with self._db.transaction() as conn:
+                apply(conn, SCHEMA)
         except (OSError, sqlite3.Error) as exc:
             raise BackendUnavailable(f"sqlite transport unavailable ({type(exc).__name__}: {exc})") from None
         self._ready = True
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            connections, self._connections = self._connections, []
-        for conn in connections:
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
-        self._local = threading.local()
+        self._db.close()
         self._wake()
 
     # -- admission ---------------------------------------------------------------------------
@@ -176,7 +125,7 @@ class SqliteTransport:
         self._ensure_ready_for(DepthUnavailable)
         # Fail closed: a database that cannot be written is an unknown depth, never an empty queue.
         try:
-            with self._write() as conn:
+            with self._db.transaction() as conn:
                 self.admit_on(conn, turns, bounded=bounded)
         except (sqlite3.Error, BackendUnavailable) as exc:
             raise DepthUnavailable(f"sqlite transport: admission failed ({type(exc).__name__})") from None
@@ -194,7 +143,7 @@ class SqliteTransport:
         if not turns:
             return 0
         self.ensure_ready()
-        now = float(conn.execute(_NOW).fetchone()[0])
+        now = self._db.now(conn)
         inserted = 0
         for turn in turns:
             visible_at = max(turn.not_before or now, now)
@@ -226,7 +175,7 @@ class SqliteTransport:
     def depth(self) -> int:
         self._ensure_ready_for(DepthUnavailable)
         try:
-            row = self._connection().execute(f"SELECT depth FROM {DEPTH} WHERE singleton = 1").fetchone()
+            row = self._db.get().execute(f"SELECT depth FROM {DEPTH} WHERE singleton = 1").fetchone()
         except (sqlite3.Error, BackendUnavailable) as exc:
             raise DepthUnavailable(f"sqlite transport: depth probe failed ({type(exc).__name__})") from None
         if row is None:
@@ -245,14 +194,14 @@ class SqliteTransport:
                 seen = self._generation
             got = self._claim_once(owner, max_items)
             remaining = deadline - time.monotonic()
-            if got or remaining <= 0 or self._closed:
+            if got or remaining <= 0 or self._db.closed:
                 return got
             self._wait(seen, min(remaining, self.poll_interval_s))
 
     def _claim_once(self, owner: str, max_items: int) -> list[Delivery]:
         out: list[Delivery] = []
-        with self._write() as conn:
-            now = float(conn.execute(_NOW).fetchone()[0])
+        with self._db.transaction() as conn:
+            now = self._db.now(conn)
             ids = [row[0] for row in conn.execute(_EXPIRED, {"now": now, "n": max_items})]
             if len(ids) < max_items:
                 more = conn.execute(_NEXT, {"now": now, "n": max_items + len(ids)})
@@ -282,7 +231,7 @@ class SqliteTransport:
         """Acknowledge a batch in one transaction; returns the receipts refused as stale or foreign."""
         self.ensure_ready()
         refused: list[Receipt] = []
-        with self._write() as conn:
+        with self._db.transaction() as conn:
             acked = 0
             for receipt in receipts:
                 parsed = _parse(receipt.token)
@@ -305,8 +254,8 @@ class SqliteTransport:
         parsed = _parse(receipt.token)
         if parsed is None:
             raise Fenced("sqlite queue: malformed receipt")
-        with self._write() as conn:
-            now = float(conn.execute(_NOW).fetchone()[0])
+        with self._db.transaction() as conn:
+            now = self._db.now(conn)
             cur = conn.execute(
                 f"UPDATE {QUEUE} SET claim_owner = NULL, claim_token = NULL, visible_at = ?"
                 " WHERE id = ? AND claim_owner = ? AND claim_token = ?",
@@ -326,40 +275,9 @@ class SqliteTransport:
 
     def _wait(self, seen: int, timeout: float) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: self._generation != seen or self._closed, timeout=timeout)
+            self._cond.wait_for(lambda: self._generation != seen or self._db.closed, timeout=timeout)
 
     def _wake(self) -> None:
         with self._cond:
             self._generation += 1
             self._cond.notify_all()
-
-    def _connection(self) -> sqlite3.Connection:
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is not None:
-            return conn
-        if self._closed:
-            raise BackendUnavailable("the sqlite transport is closed")
-        # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
-        conn = sqlite3.connect(
-            self.path, timeout=self.BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-        )
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
-        self._local.conn = conn
-        with self._lock:
-            self._connections.append(conn)
-        return conn
-
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        conn = self._connection()
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as exc:
-            raise BackendUnavailable(f"sqlite transport is busy or unavailable ({exc})") from None
-        try:
-            yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")

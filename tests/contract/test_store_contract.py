@@ -33,8 +33,6 @@ from agent_dispatch.jobs import graph_jobs
 from agent_dispatch.models import Lease, Outcome, SubmitRequest, WorkItem, WorkState, deterministic_id
 from agent_dispatch.store import MAX_ERROR_CHARS, SCHEMA_VERSION, WorkItemStore
 from agent_dispatch.stores import open_store
-from agent_dispatch.stores import postgres as postgres_module
-from agent_dispatch.stores import sqlite as sqlite_module
 from agent_dispatch.stores.postgres import PostgresStore
 from agent_dispatch.stores.sqlite import SqliteStore
 from tests.contract._store_harness import (  # noqa: F401 (store_postgres_dsn is a fixture)
@@ -807,12 +805,11 @@ def test_an_older_schema_is_refused_until_migrated(
     assert current.migrate() == SCHEMA_VERSION
     assert current.migrate() == SCHEMA_VERSION  # idempotent
     current.close()
-    module = {"sqlite": sqlite_module, "postgres": postgres_module}[backend]
+    store_class = {"sqlite": SqliteStore, "postgres": PostgresStore}[backend]
     newer = SCHEMA_VERSION + 1
-    monkeypatch.setattr(module, "SCHEMA_VERSION", newer)
-    monkeypatch.setattr(
-        module, "MIGRATIONS", {**module.MIGRATIONS, newer: ["CREATE TABLE agent_dispatch_probe (x integer)"]}
-    )
+    schema = store_class.schema
+    steps = {**schema.steps, newer: ["CREATE TABLE agent_dispatch_probe (x integer)"]}
+    monkeypatch.setattr(store_class, "schema", dataclasses.replace(schema, version=newer, steps=steps))
     stale = _fresh_store(backend, request, tmp_path)
     try:
         for call in (

@@ -17,8 +17,8 @@ import psycopg
 import pytest
 
 from agent_dispatch.transport import OutboundTurn
-from agent_dispatch.transports import _pg_schema
 from agent_dispatch.transports.postgres import PostgresTransport, _Claim
+from agent_dispatch.transports.postgres import schema as _pg_schema
 
 pytestmark = pytest.mark.postgres
 

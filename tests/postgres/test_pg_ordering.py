@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_dispatch.transport import OutboundTurn
-from agent_dispatch.transports import _pg_schema
 from agent_dispatch.transports.postgres import PostgresTransport
+from agent_dispatch.transports.postgres import schema as _pg_schema
 
 pytestmark = pytest.mark.postgres
 

@@ -18,8 +18,8 @@ import pytest
 
 from agent_dispatch.errors import SchemaOutdated
 from agent_dispatch.transport import OutboundTurn, Receipt
-from agent_dispatch.transports import _pg_schema
 from agent_dispatch.transports.postgres import PostgresTransport, _Claim
+from agent_dispatch.transports.postgres import schema as _pg_schema
 
 pytestmark = pytest.mark.postgres
 

@@ -1,90 +1,5 @@
-"""DDL and server-side functions of the PostgreSQL queue (``agent_dispatch_queue``).
-
-Why server-side functions: a claim is several dependent steps (pick a lane, lock its tenant,
-pick the lane's best row, stamp the fairness history, move the counters) and running them in
-one PL/pgSQL call costs one round trip and keeps every step inside one short transaction.
-
-Shape of the data (each claim touches O(1) rows through indexes, whatever the backlog):
-
-- ``agent_dispatch_queue``: one row per queued delivery, ``state`` ``r`` (ready), ``c`` (claimed,
-  invisible until ``visible_at``) or ``d`` (delayed until ``visible_at``). At most one row per
-  WorkItem, so a re-drive never duplicates a delivery that still exists.
-- ``agent_dispatch_queue_tenant`` / ``_group``: the fairness history. ``served`` is a stamp from one
-  sequence, unique, so "least recently served" never ties. A tenant or group first seen gets a
-  stamp far below every served one (never served = most deserving; newcomers in arrival order).
-- ``agent_dispatch_queue_tenant_lane`` (priority, tenant) and ``_group_lane`` (priority, tenant,
-  group): ``ready`` counts visible rows and a copy of the served stamp, so a partial index on
-  ``(priority DESC, tenant_served) WHERE ready > 0`` yields the next lane in one index probe,
-  instead of a sort or window function over the backlog.
-- ``agent_dispatch_queue_count`` (tenant, group): ``queued`` counts all its rows, whatever their
-  state. Kept apart from the history so that acknowledgements, which only decrement it, never
-  wait for the tenant locks that claims hold. History whose counters are all at zero is removed
-  by ``agent_dispatch_queue_prune`` (called periodically by the transport), not by the ack: a
-  tenant that runs dry and gets work again between two prunes keeps its history and its rows.
-- ``agent_dispatch_queue_depth``: the admission counter (compare-and-admit, never ``COUNT(*)``).
-
-Lock order (deadlock freedom): queue rows, then tenant rows in ``tenant_ref`` order, then
-counter rows in (``tenant_ref``, ``group_ref``) order, then the depth counter. A claim never waits
-for a tenant: it locks it with SKIP LOCKED, and everything else it touches (group history, lanes)
-is only written under that tenant's lock. Admissions lock their tenants' rows too (so a prune
-cannot remove history their rows need); acknowledgements take only counter rows and the depth
-counter; the prune takes tenant and counter rows with SKIP LOCKED and never waits.
-"""
-
-from __future__ import annotations
-
-from typing import Final
-
-SCHEMA_VERSION: Final = 2
-NOTIFY_CHANNEL: Final = "agent_dispatch_queue"
-#: SQLSTATE our admit function raises when the batch would pass the bound.
-QUEUE_FULL_SQLSTATE: Final = "AD001"
-#: Serialises concurrent ``ensure_ready`` calls (CREATE OR REPLACE FUNCTION races otherwise).
-DDL_LOCK_KEY: Final = 0x41445F5155455545  # "AD_QUEUE"
-
-#: Tables in dependency order (tests truncate them between examples).
-TABLES: Final = (
-    "agent_dispatch_queue",
-    "agent_dispatch_queue_tenant",
-    "agent_dispatch_queue_group",
-    "agent_dispatch_queue_tenant_lane",
-    "agent_dispatch_queue_group_lane",
-    "agent_dispatch_queue_count",
-    "agent_dispatch_queue_depth",
-)
-#: The fairness history and its counters: what the prune removes once no row needs it.
-HISTORY_TABLES: Final = TABLES[1:-1]
-
-#: In-place upgrades: ``UPGRADES[v]`` takes a version-``v`` schema to ``v + 1``. Each runs in
-#: ``ensure_ready``'s transaction, under its advisory lock, before :data:`DDL` (which then replaces
-#: every function); the tables are locked for its duration, so no claim or ack sees half of it.
-UPGRADES: Final = {
-    # 1 -> 2: the ``queued`` counters move out of the tenant and group history (which claims lock)
-    # into ``agent_dispatch_queue_count``, counted afresh from the queue.
-    1: r"""
-LOCK TABLE agent_dispatch_queue, agent_dispatch_queue_tenant, agent_dispatch_queue_group,
-           agent_dispatch_queue_tenant_lane, agent_dispatch_queue_group_lane, agent_dispatch_queue_depth
-    IN ACCESS EXCLUSIVE MODE;
-CREATE TABLE agent_dispatch_queue_count (
-    tenant_ref bytea NOT NULL,
-    group_ref  bytea NOT NULL,
-    queued     bigint NOT NULL CHECK (queued >= 0),
-    PRIMARY KEY (tenant_ref, group_ref)
-);
-INSERT INTO agent_dispatch_queue_count (tenant_ref, group_ref, queued)
-SELECT k.tenant_ref, k.group_ref, count(q.id)
-  FROM (SELECT tenant_ref, group_ref FROM agent_dispatch_queue_group
-        UNION
-        SELECT tenant_ref, group_ref FROM agent_dispatch_queue) k
-  LEFT JOIN agent_dispatch_queue q ON q.tenant_ref = k.tenant_ref AND q.group_ref = k.group_ref
- GROUP BY k.tenant_ref, k.group_ref;
-ALTER TABLE agent_dispatch_queue_tenant DROP COLUMN queued;
-ALTER TABLE agent_dispatch_queue_group DROP COLUMN queued;
-""",
-}
-
-#: Everything but ``agent_dispatch_queue_meta`` (schema version, ref salt), created first.
-DDL: Final = r"""
+-- The PostgreSQL queue's current shape and functions, asserted on every start (idempotent:
+-- IF NOT EXISTS, CREATE OR REPLACE FUNCTION). Run as one script, after any upgrade step.
 CREATE TABLE IF NOT EXISTS agent_dispatch_queue (
     id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     work_item_id text NOT NULL UNIQUE,
@@ -668,4 +583,3 @@ BEGIN
     RETURN true;
 END
 $fn$;
-"""

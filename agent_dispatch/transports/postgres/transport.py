@@ -3,7 +3,7 @@
 Claim order: expired deadlines first, then priority (higher first), least recently served
 tenant, least recently served fairness group, deadline, enqueue time, id. The bookkeeping that
 keeps that order at a flat cost as the backlog and the tenant count grow lives in
-:mod:`agent_dispatch.transports._pg_schema`; this module is the Python side: connection pool,
+``sql/queue.sql`` (see :mod:`agent_dispatch.transports.postgres.schema`); this module is the Python side: connection pool,
 opaque scheduling references, receipts, LISTEN/NOTIFY wake-ups and error mapping.
 """
 
@@ -15,11 +15,8 @@ import logging
 import secrets
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar
 
 import psycopg
@@ -27,10 +24,14 @@ from psycopg import sql
 from psycopg.rows import TupleRow, tuple_row
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
-from agent_dispatch.errors import BackendUnavailable, DepthUnavailable, Fenced, QueueFull, SchemaOutdated
+from agent_dispatch.db.migrate import apply
+from agent_dispatch.db.postgres import retrying
+from agent_dispatch.errors import BackendUnavailable, DepthUnavailable, Fenced, QueueFull
 from agent_dispatch.settings import Backend, Settings
 from agent_dispatch.transport import Delivery, OutboundTurn, Receipt
-from agent_dispatch.transports import _pg_schema as schema
+from agent_dispatch.transports.postgres import schema
+from agent_dispatch.transports.postgres._parts import _Claim, _Maintenance, _ts, _Waker
+from agent_dispatch.transports.postgres.schema import QUERIES
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,7 @@ T = TypeVar("T")
 
 #: Group of a turn that names none: one lane per tenant.
 DEFAULT_GROUP: Final = ""
-_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
-_RETRYABLE: Final = frozenset({"40P01", "40001"})  # deadlock detected, serialization failure
-_ATTEMPTS: Final = 3
 _REF_BYTES: Final = 16
-_RECEIPT_PREFIX: Final = "pg1"
 #: Zero counters one prune call examines, and calls per prune.
 _PRUNE_LIMIT: Final = 1000
 _PRUNE_ROUNDS: Final = 10
@@ -51,118 +48,6 @@ _PRUNE_ROUNDS: Final = 10
 _VACUUM_SMALL_DEAD: Final = 1000
 _VACUUM_QUEUE_DEAD: Final = 10_000
 _VACUUM_QUEUE_SHARE: Final = 0.05
-
-
-def _ts(value: float | None) -> datetime | None:
-    return None if value is None else datetime.fromtimestamp(value, UTC)
-
-
-def _micros(value: datetime) -> int:
-    return (value - _EPOCH) // timedelta(microseconds=1)
-
-
-@dataclass(frozen=True)
-class _Claim:
-    """What a receipt token encodes: the row, its per-claim token and the claim timestamp."""
-
-    row_id: int
-    token: uuid.UUID
-    claimed_at: datetime
-
-    def encode(self) -> str:
-        return f"{_RECEIPT_PREFIX}.{self.row_id}.{self.token.hex}.{_micros(self.claimed_at)}"
-
-    @classmethod
-    def decode(cls, token: str) -> _Claim | None:
-        parts = token.split(".")
-        if len(parts) != 4 or parts[0] != _RECEIPT_PREFIX:
-            return None
-        try:
-            return cls(int(parts[1]), uuid.UUID(hex=parts[2]), _EPOCH + timedelta(microseconds=int(parts[3])))
-        except (ValueError, OverflowError):
-            return None
-
-
-class _Waker:
-    """One listening connection per transport; claimers wait on it instead of polling hard.
-
-    Notifications only shorten waits: claimers still poll at ``poll_interval_s``, so a lost
-    connection or a notification sent while reconnecting costs latency, never a delivery.
-
-    A notification wakes one waiting claimer, not all of them: every claim loop of a process
-    woken by each admitted batch mostly found nothing left (two-thirds of all claims with four
-    processes of four loops), and an empty claim costs the server as much as a full one. A
-    claimer that fills its batch passes the wake-up on (:meth:`pass_on`), since more may wait.
-    """
-
-    def __init__(self, connect: Callable[[], psycopg.Connection[TupleRow]]) -> None:
-        self._connect = connect
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self.generation = 0
-        self._thread = threading.Thread(target=self._run, name="agent-dispatch-pg-listen", daemon=True)
-        self._thread.start()
-
-    def _bump(self, *, everyone: bool = False) -> None:
-        with self._cond:
-            self.generation += 1
-            if everyone:
-                self._cond.notify_all()
-            else:
-                self._cond.notify()
-
-    def pass_on(self) -> None:
-        """Wake one more waiting claimer: the last claim was full, so more work may be queued."""
-        self._bump()
-
-    def _run(self) -> None:
-        backoff = 0.5
-        while not self._stop.is_set():
-            try:
-                with self._connect() as conn:
-                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(schema.NOTIFY_CHANNEL)))
-                    backoff = 0.5
-                    self._bump(everyone=True)  # anything sent while we were not listening
-                    while not self._stop.is_set():
-                        for _ in conn.notifies(timeout=0.5):
-                            self._bump()
-            except psycopg.Error as exc:
-                log.debug("queue listener reconnecting after %s", type(exc).__name__)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
-
-    def wait(self, seen: int, timeout: float) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.generation != seen or self._stop.is_set(), timeout=timeout)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._bump(everyone=True)
-        self._thread.join(timeout=5)
-
-
-class _Maintenance:
-    """One thread per transport that claims: runs ``transport._maintain`` every ``tick_s``."""
-
-    def __init__(self, maintain: Callable[[], None], tick_s: float) -> None:
-        self._maintain = maintain
-        self._tick_s = tick_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="agent-dispatch-pg-maintenance", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._tick_s):
-            try:
-                self._maintain()
-            except (BackendUnavailable, psycopg.Error) as exc:  # claims report outages; retried next tick
-                log.warning("queue maintenance failed: %s", exc)
-            except Exception:
-                log.exception("queue maintenance failed")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 class PostgresTransport:
@@ -268,42 +153,10 @@ class PostgresTransport:
 
     @staticmethod
     def _create_schema(conn: psycopg.Connection[TupleRow]) -> bytes:
-        """Create what is missing (idempotent, serialised by an advisory lock); return the ref salt."""
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (schema.DDL_LOCK_KEY,))
-        conn.execute(
-            "CREATE TABLE IF NOT EXISTS agent_dispatch_queue_meta (key text PRIMARY KEY, value bytea NOT NULL)"
-        )
-        row = conn.execute(
-            "SELECT value FROM agent_dispatch_queue_meta WHERE key = 'schema_version'"
-        ).fetchone()
-        current = None if row is None else int(bytes(row[0]))
-        if current is not None and current > schema.SCHEMA_VERSION:
-            raise SchemaOutdated(
-                f"the queue schema is version {current}; this code knows "
-                f"{schema.SCHEMA_VERSION}: upgrade agent-dispatch"
-            )
-        if current is not None and current < schema.SCHEMA_VERSION:
-            # An older queue: upgrade it in place, in this transaction (all or nothing).
-            for version in range(current, schema.SCHEMA_VERSION):
-                if version not in schema.UPGRADES:
-                    raise SchemaOutdated(
-                        f"the queue schema is version {current}, which this code cannot upgrade to "
-                        f"{schema.SCHEMA_VERSION}: drain the queue and drop its tables, or upgrade "
-                        "through an intermediate agent-dispatch release"
-                    )
-                log.info("upgrading the PostgreSQL queue schema from version %d to %d", version, version + 1)
-                conn.execute(schema.UPGRADES[version])
-        conn.execute(schema.DDL)
-        conn.execute(
-            "INSERT INTO agent_dispatch_queue_meta VALUES ('schema_version', %s), ('ref_salt', %s) "
-            "ON CONFLICT (key) DO NOTHING",
-            (str(schema.SCHEMA_VERSION).encode(), secrets.token_bytes(32)),
-        )
-        conn.execute(
-            "UPDATE agent_dispatch_queue_meta SET value = %s WHERE key = 'schema_version'",
-            (str(schema.SCHEMA_VERSION).encode(),),
-        )
-        salt = conn.execute("SELECT value FROM agent_dispatch_queue_meta WHERE key = 'ref_salt'").fetchone()
+        """Create or upgrade the schema (:func:`agent_dispatch.db.migrate.apply`); return the ref salt."""
+        apply(conn, schema.SCHEMA)
+        conn.execute(QUERIES["meta_salt"], (secrets.token_bytes(32),))
+        salt = conn.execute(QUERIES["meta_read_salt"]).fetchone()
         assert salt is not None
         return bytes(salt[0])
 
@@ -362,8 +215,7 @@ class PostgresTransport:
         try:
             with conn.cursor(row_factory=tuple_row) as cur:
                 cur.execute(
-                    "SELECT agent_dispatch_queue_admit(%b::text[], %b::text[], %b::bytea[], %b::bytea[], "
-                    "%b::integer[], %b::timestamptz[], %b::timestamptz[], %b::bytea[], %s::bigint)",
+                    QUERIES["admit"],
                     (
                         [t.work_item_id for t in turns],
                         [t.session_id for t in turns],
@@ -389,7 +241,7 @@ class PostgresTransport:
         def run() -> int:
             self._ready()
             with self._conn() as conn:
-                row = conn.execute("SELECT depth FROM agent_dispatch_queue_depth").fetchone()
+                row = conn.execute(QUERIES["depth"]).fetchone()
             if row is None:
                 raise DepthUnavailable("postgres queue: the depth counter row is missing")
             return int(row[0])
@@ -420,8 +272,7 @@ class PostgresTransport:
     def _claim_once(self, owner: str, max_items: int) -> list[Delivery]:
         with self._conn() as conn:
             rows = conn.execute(
-                "SELECT id, work_item_id, wire, claim_token, claimed_at, deliveries "
-                "FROM agent_dispatch_queue_claim(%s, %s, make_interval(secs => %s))",
+                QUERIES["claim"],
                 (owner, max_items, self.visibility_timeout_s),
             ).fetchall()
         return [
@@ -445,7 +296,7 @@ class PostgresTransport:
 
         def run() -> int:
             with self._conn() as conn:
-                row = conn.execute("SELECT agent_dispatch_queue_prune(%s)", (limit,)).fetchone()
+                row = conn.execute(QUERIES["prune"], (limit,)).fetchone()
             return int(row[0]) if row else 0
 
         removed = total = self._call(run, unavailable=BackendUnavailable)
@@ -472,11 +323,7 @@ class PostgresTransport:
 
         def run() -> list[str]:
             with self._conn() as conn:
-                stats = conn.execute(
-                    "SELECT relname::text, n_dead_tup, n_live_tup FROM pg_stat_user_tables "
-                    "WHERE relid = ANY(%s::regclass[])",
-                    (list(schema.TABLES),),
-                ).fetchall()
+                stats = conn.execute(QUERIES["dead_rows"], (list(schema.TABLES),)).fetchall()
                 due = [
                     name
                     for name, dead, live in stats
@@ -523,13 +370,7 @@ class PostgresTransport:
     def _owns_tables(self) -> bool:
         """Whether VACUUM would process the queue's tables rather than skip them with a warning."""
         with self._conn() as conn:
-            row = conn.execute(
-                "SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)"
-                " OR pg_has_role((SELECT datdba FROM pg_database WHERE datname = current_database()), 'USAGE')"
-                " OR bool_and(pg_has_role(c.relowner, 'USAGE'))"
-                " FROM pg_class c WHERE c.oid = ANY(%s::regclass[])",
-                (list(schema.TABLES),),
-            ).fetchone()
+            row = conn.execute(QUERIES["owns_tables"], (list(schema.TABLES),)).fetchone()
         return bool(row and row[0])
 
     def ack(self, receipt: Receipt) -> None:
@@ -548,7 +389,7 @@ class PostgresTransport:
         def run() -> set[int]:
             with self._conn() as conn:
                 rows = conn.execute(
-                    "SELECT agent_dispatch_queue_ack(%b::bigint[], %b::text[], %b::uuid[], %b::timestamptz[])",
+                    QUERIES["ack"],
                     (
                         [c.row_id for _, c in valid],
                         [r.owner for r, _ in valid],
@@ -570,7 +411,7 @@ class PostgresTransport:
         def run() -> bool:
             with self._conn() as conn:
                 row = conn.execute(
-                    "SELECT agent_dispatch_queue_release(%s, %s, %s, %s, make_interval(secs => %s))",
+                    QUERIES["release"],
                     (claim.row_id, receipt.owner, claim.token, claim.claimed_at, max(delay_s, 0.0)),
                 ).fetchone()
             return bool(row and row[0])
@@ -597,12 +438,8 @@ class PostgresTransport:
             return self._waker
 
     def _call(self, fn: Callable[[], T], *, unavailable: type[Exception]) -> T:
-        """Run one transaction; retry deadlocks, map connection failures to ``unavailable``."""
-        for attempt in range(1, _ATTEMPTS + 1):
-            try:
-                return fn()
-            except (psycopg.OperationalError, PoolTimeout, PoolClosed, BackendUnavailable) as exc:
-                if isinstance(exc, psycopg.Error) and exc.sqlstate in _RETRYABLE and attempt < _ATTEMPTS:
-                    continue
-                raise unavailable(f"postgres transport unavailable ({type(exc).__name__})") from None
-        raise AssertionError("unreachable")
+        """Run one transaction (retrying deadlock victims); map connection failures to ``unavailable``."""
+        try:
+            return retrying(fn)
+        except (psycopg.OperationalError, PoolTimeout, PoolClosed, BackendUnavailable) as exc:
+            raise unavailable(f"postgres transport unavailable ({type(exc).__name__})") from None

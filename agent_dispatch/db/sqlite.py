@@ -1,0 +1,82 @@
+"""SQLite connections, one per thread, shared by the WorkItem store and the queue on one file.
+
+sqlite3 connections must not be shared between threads mid-transaction, so each thread opens its
+own on first use. Writes take SQLite's single writer lock up front (``BEGIN IMMEDIATE``), so a
+read-check-write inside one cannot race another thread or process; WAL mode lets readers run
+beside that writer, and WAL + ``synchronous=NORMAL`` is durable across process crashes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Final
+
+from agent_dispatch.errors import BackendUnavailable
+
+BUSY_TIMEOUT_S: Final = 30.0
+#: SQLite's clock in unix seconds (julianday has millisecond resolution); the one clock of a file.
+NOW_EXPR: Final = "(julianday('now') - 2440587.5) * 86400.0"
+NOW: Final = f"SELECT {NOW_EXPR}"
+
+
+class ThreadConnections:
+    """The connections of one database file, one per thread; ``name`` says whose in errors."""
+
+    def __init__(self, path: Path, name: str) -> None:
+        self.path = path
+        self.name = name
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: list[sqlite3.Connection] = []
+        self.closed = False
+
+    def get(self) -> sqlite3.Connection:
+        """This thread's connection, opened on first use."""
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
+        if self.closed:
+            raise BackendUnavailable(f"the {self.name} is closed")
+        # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
+        conn = sqlite3.connect(
+            self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        self._local.conn = conn
+        with self._lock:
+            self._all.append(conn)
+        return conn
+
+    @contextmanager
+    def transaction(self, begin: str = "BEGIN IMMEDIATE") -> Iterator[sqlite3.Connection]:
+        """One transaction on this thread's connection: committed, or rolled back on any error."""
+        conn = self.get()
+        try:
+            conn.execute(begin)
+        except sqlite3.OperationalError as exc:
+            raise BackendUnavailable(f"the {self.name} is busy or unavailable: {exc}") from exc
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def now(self, conn: sqlite3.Connection) -> float:
+        return float(conn.execute(NOW).fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            connections, self._all = self._all, []
+        for conn in connections:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+        self._local = threading.local()
