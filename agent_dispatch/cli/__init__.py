@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from agent_dispatch.cli import _gateway, _jobs, _submit, _up, _worker
+from agent_dispatch.metrics_api._run import register as register_metrics_api
 from agent_dispatch.runtime import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -101,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the liveness endpoint at URL ('' disables it)",
     )
     operator.set_defaults(handler=_operator)
+
+    register_metrics_api(sub)
     return parser
 
 

@@ -291,6 +291,22 @@ def _desired_workers(
     return (replicas if isinstance(replicas, int) else None), available
 
 
+def _hpa_state(
+    cluster: Cluster, namespace: str, instance: str, spec: DispatchSpec, depth: int | None
+) -> tuple[dict[str, Any], list[_status.Condition]]:
+    """Mode hpa: the HPA's state for ``.status.autoscaler``, the MetricAvailable condition, and
+    ``queueDepthTime`` (the metrics API refuses a depth older than three refreshes)."""
+    if spec.autoscaling.mode != "hpa":
+        return {}, []
+    hpa = cluster.get(
+        _desired.HPA_API_VERSION, "HorizontalPodAutoscaler", namespace, _desired.worker_name(instance)
+    )
+    extra: dict[str, Any] = {"autoscaler": _status.autoscaler_status("hpa", hpa)}
+    if depth is not None:
+        extra["queueDepthTime"] = _status.rfc3339(_status.now_utc())
+    return extra, [_status.metric_condition(depth, hpa)]
+
+
 def _finish(
     body: Mapping[str, Any],
     spec: DispatchSpec | None,
@@ -299,16 +315,18 @@ def _finish(
     *,
     available: int | None,
     reconciled: bool,
+    hpa: tuple[dict[str, Any], list[_status.Condition]] = ({}, []),
 ) -> dict[str, Any]:
     previous = body.get("status") or {}
     _, _, generation = _meta(body)
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": _status.merge_conditions(
-            previous.get("conditions"), _status.conditions(obs), generation
+            previous.get("conditions"), [*_status.conditions(obs), *hpa[1]], generation
         ),
         "workers": _status.workers_status(obs, available),
         "queueDepth": transport.depth,
+        **hpa[0],
     }
     # A refresh leaves the time of the last reconcile alone, so an idle resource's status stays
     # byte-identical between refreshes and the timer writes nothing.
@@ -378,8 +396,12 @@ def _pass(body: Mapping[str, Any], cluster: Cluster, kafka: KafkaOps | None, *, 
         autoscaler_error=autoscaler_error,
         reconcile_error=reconcile_error,
     )
+    hpa = _hpa_state(cluster, namespace, instance, spec, transport.depth)
     return Outcome(
-        _finish(body, spec, obs, transport, available=available, reconciled=mutate), events, changes, obs
+        _finish(body, spec, obs, transport, available=available, reconciled=mutate, hpa=hpa),
+        events,
+        changes,
+        obs,
     )
 
 

@@ -271,3 +271,50 @@ def observation_probe(obs: Observation) -> doctor.Probe:
 
     probe.__name__ = "operator_observation"
     return probe
+
+
+# --- the autoscaler (mode hpa) ---------------------------------------------------------------------
+
+#: Present only while spec.autoscaling.mode is hpa: can the HPA read agent_dispatch_queue_depth?
+METRIC_AVAILABLE: Final = "MetricAvailable"
+REASON_METRIC_SERVED: Final = "MetricServed"
+REASON_METRIC_UNAVAILABLE: Final = "MetricUnavailable"
+REASON_DEPTH_UNKNOWN: Final = "QueueDepthUnknown"
+
+
+def _hpa_condition(hpa: Mapping[str, Any] | None, kind: str) -> Mapping[str, Any]:
+    for cond in ((hpa or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return dict(cond)
+    return {}
+
+
+def autoscaler_status(mode: str, hpa: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``.status.autoscaler`` from the HPA's own status (what ``kubectl describe`` shows): the
+    operator never writes replicas itself while autoscaling is on, it only reports them."""
+    st = (hpa or {}).get("status") or {}
+    found: dict[str, Any] = {"mode": mode}
+    for key in ("currentReplicas", "desiredReplicas", "lastScaleTime"):
+        if st.get(key) is not None:
+            found[key] = st[key]
+    return found
+
+
+def metric_condition(depth: int | None, hpa: Mapping[str, Any] | None) -> Condition:
+    """False when the HPA says it cannot get the external metric (the metrics API is down, or it
+    answered an error because the depth was stale), or when the depth itself is unknown: in both
+    cases the HPA holds its replica count instead of scaling."""
+    active = _hpa_condition(hpa, "ScalingActive")
+    if active.get("status") == "False" and active.get("reason") != "ScalingDisabled":
+        return Condition(
+            METRIC_AVAILABLE,
+            "False",
+            REASON_METRIC_UNAVAILABLE,
+            f"the HPA cannot read the queue depth and holds its replica count: "
+            f"{active.get('reason', '')}: {str(active.get('message', ''))[:300]}",
+        )
+    if depth is None:
+        return Condition(
+            METRIC_AVAILABLE, "False", REASON_DEPTH_UNKNOWN, "the queue depth could not be observed"
+        )
+    return Condition(METRIC_AVAILABLE, "True", REASON_METRIC_SERVED, "the HPA reads the queue depth")

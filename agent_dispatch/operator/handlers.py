@@ -143,10 +143,16 @@ async def refresh_status(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any
     # Post a warning only when a condition turns bad, not on every tick while it stays bad.
     before = {c.get("type"): c.get("status") for c in previous.get("conditions") or []}
     after = {c["type"]: c for c in outcome.status.get("conditions", [])}
-    for name in ("WorkersAvailable", "TransportReachable"):
+    for name in ("WorkersAvailable", "TransportReachable", "MetricAvailable"):
         cond = after.get(name)
         if cond is not None and cond["status"] == "False" and before.get(name) != "False":
             _post(body, [_reconcile.Event("Warning", cond["reason"], cond["message"])])
+    # The autoscaler's decisions, as events on the AgentDispatch (kubectl describe shows them).
+    old_scale = (previous.get("autoscaler") or {}).get("desiredReplicas")
+    new_scale = (outcome.status.get("autoscaler") or {}).get("desiredReplicas")
+    if new_scale is not None and old_scale is not None and new_scale != old_scale:
+        message = f"the HPA scaled the workers from {old_scale} to {new_scale} replicas"
+        _post(body, [_reconcile.Event("Normal", "AutoscalerScaled", message)])
     patch.status.update(_changed(previous, outcome.status))
 
 

@@ -216,8 +216,6 @@ class Worker:
                     log.info("deadline expired", extra={"job_id": item.id})
                 if self.redrive is not None:
                     self.redrive()
-                with contextlib.suppress(DispatchError):
-                    m.QUEUE_DEPTH.set(self.transport.depth())
             except Exception:
                 log.warning("recovery sweep failed", exc_info=True)
 

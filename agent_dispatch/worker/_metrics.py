@@ -20,7 +20,8 @@ OUTCOMES: Final = (
 HEARTBEAT = Gauge(
     "agent_dispatch_worker_heartbeat_timestamp_seconds", "Unix time of the worker's last loop iteration"
 )
-QUEUE_DEPTH = Gauge("agent_dispatch_queue_depth", "Accepted, not yet acknowledged turns (last sample)")
+# No queue-depth gauge here: every worker exporting the global depth made one series per pod, which
+# an adapter summing over pods multiplies. The metrics API exports one series per AgentDispatch.
 TURNS = Counter("agent_dispatch_turns", "Turns handled by outcome", ["outcome"])
 IN_FLIGHT = Gauge("agent_dispatch_turns_in_flight", "Turns executing now")
 LEASE_RENEWALS = Counter("agent_dispatch_lease_renewals", "Successful WorkItem lease renewals")

@@ -417,3 +417,56 @@ def test_agentdispatch_served_by_the_installed_crd(
         client.CustomObjectsApi(kube_api).delete_namespaced_custom_object(
             GROUP, VERSION, kube_namespace, PLURAL, "example"
         )
+
+
+def test_subject_access_reviews_bound_the_metrics_api(
+    kube_api: client.ApiClient, kube_namespace: str, installer: Callable[..., str]
+) -> None:
+    """The metrics API may read AgentDispatch objects where the operator watches, review tokens and
+    access, and read the front-proxy ConfigMap; nothing else. The HPA controller may read it."""
+    ns, other = kube_namespace, "default"
+    installer(ns)
+    api = service_account_user(ns, f"{RELEASE}-metrics-api")
+    hpa = service_account_user("kube-system", "horizontal-pod-autoscaler")
+    metric = "agent_dispatch_queue_depth"
+
+    def allowed(subject: tuple[str, list[str]], verb: str, resource: str, **kw: Any) -> bool:
+        return can(kube_api, subject, verb, resource, **kw)
+
+    assert allowed(api, "list", PLURAL, group=GROUP, namespace=ns)
+    assert allowed(api, "watch", PLURAL, group=GROUP, namespace=ns)
+    assert allowed(api, "create", "subjectaccessreviews", group="authorization.k8s.io")
+    assert allowed(api, "create", "tokenreviews", group="authentication.k8s.io")
+    assert allowed(
+        api, "get", "configmaps", namespace="kube-system", name="extension-apiserver-authentication"
+    )
+    assert allowed(hpa, "list", metric, group="external.metrics.k8s.io", namespace=ns)
+    assert allowed(hpa, "get", metric, group="external.metrics.k8s.io", namespace=other)
+    excess = {
+        "list AgentDispatches elsewhere": allowed(api, "list", PLURAL, group=GROUP, namespace=other),
+        "patch AgentDispatches": allowed(api, "patch", PLURAL, group=GROUP, namespace=ns),
+        "patch AgentDispatch status": allowed(
+            api, "patch", PLURAL, group=GROUP, namespace=ns, subresource="status"
+        ),
+        "read Secrets": allowed(api, "get", "secrets", namespace=ns, name="agent-dispatch-metrics-api-tls"),
+        "list Secrets": allowed(api, "list", "secrets", namespace=ns),
+        "read another kube-system ConfigMap": allowed(
+            api, "get", "configmaps", namespace="kube-system", name="kube-proxy"
+        ),
+        "create Pods": allowed(api, "create", "pods", namespace=ns),
+        "update Deployments": allowed(api, "patch", "deployments", group="apps", namespace=ns),
+        "impersonate": allowed(api, "impersonate", "users"),
+        "create ClusterRoleBindings": allowed(
+            api, "create", "clusterrolebindings", group="rbac.authorization.k8s.io"
+        ),
+        "read external metrics itself": allowed(
+            api, "list", metric, group="external.metrics.k8s.io", namespace=ns
+        ),
+        "anyone reads external metrics": allowed(
+            service_account_user(ns, "default"), "list", metric, group="external.metrics.k8s.io", namespace=ns
+        ),
+        "HPA controller writes external metrics": allowed(
+            hpa, "create", metric, group="external.metrics.k8s.io", namespace=ns
+        ),
+    }
+    assert [what for what, yes in excess.items() if yes] == []

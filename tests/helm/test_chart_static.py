@@ -33,6 +33,19 @@ def _rules(role: dict[str, Any]) -> list[dict[str, Any]]:
     return list(role.get("rules") or [])
 
 
+def _operator_side(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Everything but the metrics API's objects (tested on their own below)."""
+    return [
+        d for d in docs if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") != "metrics-api"
+    ]
+
+
+def _metrics_api_side(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        d for d in docs if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "metrics-api"
+    ]
+
+
 def _verbs_on(rules: list[dict[str, Any]], group: str, resource: str) -> set[str]:
     return {
         verb
@@ -129,7 +142,9 @@ def test_values_yaml_is_valid_and_documents_every_schema_key() -> None:
     # the schema does not describe (besides the contents of free-form maps).
     assert schema_keys - documented == set()
     structural = {
-        k for k in documented if not k.startswith(("operator.resources.", "grafanaDashboard.labels."))
+        k
+        for k in documented
+        if not k.startswith(("operator.resources.", "metricsApi.resources.", "grafanaDashboard.labels."))
     }
     assert structural - schema_keys == set()
 
@@ -197,7 +212,8 @@ def test_values_schema_rejects_unknown_keys_and_bad_values(
 
 @pytest.mark.kube
 def test_defaults_are_namespaced_least_privilege_and_hardened(helm_bin: Path, tmp_path: Path) -> None:
-    docs = manifests(render(helm_bin, _home(tmp_path), "team-a").stdout)
+    everything = manifests(render(helm_bin, _home(tmp_path), "team-a").stdout)
+    docs = _operator_side(everything)
     kinds = sorted(f"{doc['kind']}/{doc['metadata']['name']}" for doc in docs)
     assert kinds == sorted(
         [
@@ -281,8 +297,16 @@ def test_watch_namespaces_get_a_role_each(helm_bin: Path, tmp_path: Path) -> Non
     )
     roles = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in by_kind(docs, "Role")}
     assert roles == {
-        (ns, f"agent-dispatch-{who}") for ns in ("team-a", "team-b") for who in ("operator", "worker")
+        (ns, f"agent-dispatch-{who}")
+        for ns in ("team-a", "team-b")
+        for who in ("operator", "worker", "metrics-api")
     }
+    api = next(
+        d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "agent-dispatch-metrics-api"
+    )
+    api_args = api["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert api_args[:2] == ["--namespace=team-a", "--namespace=team-b"]
+    docs = _operator_side(docs)
     for binding in by_kind(docs, "RoleBinding"):
         if binding["metadata"]["name"] == "agent-dispatch-operator":
             assert binding["subjects"] == [
@@ -296,7 +320,10 @@ def test_watch_namespaces_get_a_role_each(helm_bin: Path, tmp_path: Path) -> Non
 
 @pytest.mark.kube
 def test_cluster_wide_mode_uses_one_cluster_role(helm_bin: Path, tmp_path: Path) -> None:
-    docs = manifests(render(helm_bin, _home(tmp_path), "ops", "--set", "rbac.clusterWide=true").stdout)
+    everything = manifests(render(helm_bin, _home(tmp_path), "ops", "--set", "rbac.clusterWide=true").stdout)
+    api_roles = {d["metadata"]["name"] for d in by_kind(_metrics_api_side(everything), "ClusterRole")}
+    assert "agent-dispatch-metrics-api" in api_roles  # reads AgentDispatches everywhere, too
+    docs = _operator_side(everything)
     (cluster_role,) = by_kind(docs, "ClusterRole")
     (binding,) = by_kind(docs, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
@@ -333,7 +360,22 @@ def test_service_monitor_renders_only_where_the_api_exists(helm_bin: Path, tmp_p
         ).stdout
     )
     monitors = {d["metadata"]["name"]: d for d in by_kind(with_api, "ServiceMonitor")}
-    assert set(monitors) == {"agent-dispatch-operator", "agent-dispatch-workers"}
+    assert set(monitors) == {
+        "agent-dispatch-operator",
+        "agent-dispatch-workers",
+        "agent-dispatch-metrics-api",
+    }
+    depth = monitors["agent-dispatch-metrics-api"]["spec"]
+    # The depth series keeps its own namespace label (the AgentDispatch's, not the scraped pod's).
+    assert depth["endpoints"] == [
+        {
+            "port": "metrics",
+            "path": "/metrics",
+            "honorLabels": True,
+            "interval": "30s",
+            "scrapeTimeout": "10s",
+        }
+    ]
     workers = monitors["agent-dispatch-workers"]["spec"]
     assert workers["selector"]["matchLabels"] == {
         "app.kubernetes.io/name": "agent-dispatch",
@@ -397,13 +439,11 @@ def test_dashboard_and_example_are_optional(helm_bin: Path, tmp_path: Path) -> N
 def test_image_digest_and_tag(helm_bin: Path, tmp_path: Path) -> None:
     digest = "sha256:" + "ab" * 32
     docs = manifests(render(helm_bin, _home(tmp_path), "ns", "--set", f"image.digest={digest}").stdout)
-    (deployment,) = by_kind(docs, "Deployment")
-    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == f"agent-dispatch@{digest}"
+    images = {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in by_kind(docs, "Deployment")}
+    assert images == {f"agent-dispatch@{digest}"}  # the operator and the metrics API, one image
     docs = manifests(render(helm_bin, _home(tmp_path), "ns", "--set", "image.tag=1.2.3").stdout)
-    assert (
-        by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["image"]
-        == "agent-dispatch:1.2.3"
-    )
+    images = {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in by_kind(docs, "Deployment")}
+    assert images == {"agent-dispatch:1.2.3"}
 
 
 @pytest.mark.kube
@@ -460,3 +500,109 @@ def test_no_registry_host_names_in_the_deployment_files() -> None:
         if REGISTRY_HOST.search(p.read_text())
     }
     assert offenders == {}
+
+
+@pytest.mark.kube
+def test_metrics_api_is_registered_with_its_own_ca_and_least_privilege(
+    helm_bin: Path, tmp_path: Path
+) -> None:
+    import base64
+
+    from cryptography import x509
+
+    docs = manifests(render(helm_bin, _home(tmp_path), "team-a").stdout)
+    api = _metrics_api_side(docs)
+    (service,) = by_kind(api, "APIService")
+    assert service["metadata"]["name"] == "v1beta1.external.metrics.k8s.io"
+    assert service["spec"]["service"] == {
+        "name": "agent-dispatch-metrics-api",
+        "namespace": "team-a",
+        "port": 443,
+    }
+    assert service["spec"]["insecureSkipTLSVerify"] is False
+    (secret,) = by_kind(api, "Secret")
+    assert secret["data"]["ca.crt"] == service["spec"]["caBundle"]
+    ca = x509.load_pem_x509_certificate(base64.b64decode(service["spec"]["caBundle"]))
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    assert cert.issuer == ca.subject
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
+    assert "agent-dispatch-metrics-api.team-a.svc" in names  # the name the aggregator verifies
+
+    (deployment,) = by_kind(api, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["agent-dispatch", "metrics-api"]
+    assert "--namespace=team-a" in container["args"]
+    assert pod["serviceAccountName"] == "agent-dispatch-metrics-api"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # No database credentials: nothing from a Secret but the serving certificate.
+    assert not any("valueFrom" in env for env in container.get("env", []))
+    assert [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v] == [
+        "agent-dispatch-metrics-api-tls"
+    ]
+
+    cluster_roles = {d["metadata"]["name"]: _rules(d) for d in by_kind(api, "ClusterRole")}
+    assert cluster_roles == {
+        "agent-dispatch-metrics-api-auth-delegator": [
+            {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+            {
+                "apiGroups": ["authorization.k8s.io"],
+                "resources": ["subjectaccessreviews"],
+                "verbs": ["create"],
+            },
+        ],
+        "agent-dispatch-metrics-api-reader": [
+            {"apiGroups": ["external.metrics.k8s.io"], "resources": ["*"], "verbs": ["get", "list"]}
+        ],
+    }
+    hpa_binding = next(
+        d for d in by_kind(api, "ClusterRoleBinding") if d["metadata"]["name"].endswith("-hpa-controller")
+    )
+    assert hpa_binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "horizontal-pod-autoscaler", "namespace": "kube-system"}
+    ]
+    reader = next(d for d in by_kind(api, "RoleBinding") if d["metadata"]["namespace"] == "kube-system")
+    assert reader["roleRef"]["name"] == "extension-apiserver-authentication-reader"
+    (role,) = by_kind(api, "Role")
+    assert role["metadata"]["namespace"] == "team-a"
+    assert _rules(role) == [
+        {
+            "apiGroups": ["agentdispatch.io"],
+            "resources": ["agentdispatches"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    # Everything cluster-scoped the chart renders by default belongs to the metrics API.
+    cluster_scoped = [d for d in docs if d["kind"] in {"ClusterRole", "ClusterRoleBinding", "APIService"}]
+    assert cluster_scoped and all(d in api for d in cluster_scoped)
+
+    off = manifests(render(helm_bin, _home(tmp_path), "team-a", "--set", "metricsApi.enabled=false").stdout)
+    assert _metrics_api_side(off) == []
+    assert not [d for d in off if d["kind"] in {"ClusterRole", "ClusterRoleBinding", "APIService"}]
+
+
+@pytest.mark.kube
+def test_metrics_api_can_use_an_existing_certificate(helm_bin: Path, tmp_path: Path) -> None:
+    home = _home(tmp_path)
+    docs = manifests(
+        render(
+            helm_bin,
+            home,
+            "ns",
+            "--set",
+            "metricsApi.tls.existingSecret=my-cert,metricsApi.tls.caBundle=Q0E=",
+        ).stdout
+    )
+    assert by_kind(docs, "Secret") == []
+    (service,) = by_kind(docs, "APIService")
+    assert service["spec"]["caBundle"] == "Q0E="
+    api = next(
+        d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "agent-dispatch-metrics-api"
+    )
+    assert [
+        v["secret"]["secretName"] for v in api["spec"]["template"]["spec"]["volumes"] if "secret" in v
+    ] == ["my-cert"]
+    missing = render(helm_bin, home, "ns", "--set", "metricsApi.tls.existingSecret=my-cert", check=False)
+    assert missing.returncode != 0 and "metricsApi.tls.caBundle is required" in missing.stderr

@@ -148,3 +148,9 @@ capabilities:
 seccompProfile:
   type: RuntimeDefault
 {{- end -}}
+
+{{- define "agent-dispatch.metricsApiSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "agent-dispatch.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: metrics-api
+{{- end -}}
