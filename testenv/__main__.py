@@ -1,7 +1,7 @@
 """``python -m testenv install [SERVICE...]``: build or download the loopback services ahead of the tests.
 
 Everything lands in the cache (``~/.cache/agent-dispatch`` or ``$AGENT_DISPATCH_CACHE``), keyed by
-version, so a second run does nothing. Services: postgres, kafka, kube, helm (default: all).
+version, so a second run does nothing. Services: postgres, kafka, kube, helm, keda (default: all).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ INSTALLERS = {
     "kafka": ("testenv.kafka", "ensure_installed"),
     "kube": ("testenv.kube", "ensure_built"),
     "helm": ("testenv.helm", "ensure_helm"),
+    "keda": ("testenv.keda", "ensure_keda"),
 }
 
 
