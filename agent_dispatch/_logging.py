@@ -9,6 +9,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+#: kopf attaches its whole OperatorSettings object to every record of its object loggers (about
+#: 2 KB of repr per line, found reading the operator pod's log); the object's identity is kept.
+_DROPPED = frozenset({"settings"})
 
 
 class JsonFormatter(logging.Formatter):
@@ -21,7 +24,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        entry.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        entry.update({k: v for k, v in vars(record).items() if k not in _STANDARD and k not in _DROPPED})
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)

@@ -19,7 +19,7 @@ from typing import Final
 from agent_dispatch import keys, stores, transports
 from agent_dispatch.dispatch import Admission, choose_admission
 from agent_dispatch.errors import BackendUnavailable, SchemaOutdated
-from agent_dispatch.settings import InvalidSetting, Settings
+from agent_dispatch.settings import Backend, InvalidSetting, Settings
 from agent_dispatch.store import WorkItemStore
 from agent_dispatch.transport import Transport
 
@@ -149,10 +149,12 @@ def open_transport(settings: Settings) -> Transport:
 def open_runtime(settings: Settings, *, migrate: bool = False, transport: bool = True) -> Runtime:
     """Key, store and (unless ``transport=False``: opened on first use) transport, or ``StartupError``.
 
-    ``migrate``: bring the store's schema up to date first (the local ``up`` does).
+    ``migrate``: bring the store's schema up to date first (the local ``up`` does). SQLite is
+    always migrated: its database is private to the process's data directory (a worker pod's
+    emptyDir, say), so no separate ``agent-dispatch migrate`` step can reach it first.
     """
     key = signing_key(settings)
-    store = open_store(settings, migrate=migrate)
+    store = open_store(settings, migrate=migrate or settings.backend is Backend.SQLITE)
     runtime = Runtime(settings, key, store)
     if transport:
         try:

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite: installs the project into .venv, builds or downloads PostgreSQL, Kafka,
-# etcd, kube-apiserver, kube-controller-manager, kubectl and helm into ~/.cache/agent-dispatch
-# (once; cached by version), runs the quality gates, then pytest, which starts each service on
-# loopback as the tests need it. Extra arguments go to pytest (`bash scripts/test.sh -m postgres`).
+# etcd, kube-apiserver, kube-controller-manager, kubectl, helm, and a node's kubelet,
+# kube-scheduler, kube-proxy, containerd, runc, CNI plugins and docker, then the project's image
+# from its Dockerfile, into ~/.cache/agent-dispatch (once; cached by version or content), runs the
+# quality gates, then pytest, which starts each service on loopback (the node in a network
+# namespace of its own) as the tests need it. Extra arguments go to pytest
+# (`bash scripts/test.sh -m postgres`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -1,7 +1,9 @@
 """``python -m testenv install [SERVICE...]``: build or download the loopback services ahead of the tests.
 
 Everything lands in the cache (``~/.cache/agent-dispatch`` or ``$AGENT_DISPATCH_CACHE``), keyed by
-version, so a second run does nothing. Services: postgres, kafka, kube, helm, keda (default: all).
+version, so a second run does nothing. Services: postgres, kafka, kube, helm, keda, node (kubelet,
+kube-scheduler, kube-proxy and the Debian packages a node runs), image (the project's image from
+its Dockerfile, and the pause image) (default: all).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ INSTALLERS = {
     "kube": ("testenv.kube", "ensure_built"),
     "helm": ("testenv.helm", "ensure_helm"),
     "keda": ("testenv.keda", "ensure_keda"),
+    "node": ("testenv.node", "ensure_node_built"),
+    "image": ("testenv.image", "build_images"),
 }
 
 
