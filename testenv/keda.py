@@ -192,7 +192,7 @@ class KedaRunner:
             )
         self._kubectl("delete", "apiservice", APISERVICE, "--ignore-not-found", "--wait=true")
         if self._displaced_apiservice is not None:
-            self._kubectl("apply", "-f", "-", input=json.dumps(self._displaced_apiservice))
+            self._kubectl("create", "-f", "-", input=json.dumps(self._displaced_apiservice))
         for name in ("keda-adapter", "keda-operator"):
             stop_process(self._procs.get(name), timeout=20)
         self._kubectl("delete", "namespace", KEDA_NAMESPACE, "--ignore-not-found", "--wait=false")
