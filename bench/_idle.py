@@ -62,6 +62,7 @@ def dispatch_and_idle(server: Any, *, samples: int, idle_s: float, log_dir: Path
     settings = driver._settings()
     store = open_store(settings)
     transport = open_transport(settings)
+    admission = dispatch.choose_admission(store, transport, signing_key=KEY.encode(), settings=settings)
     worker = driver.start_worker(0, log_dir)
     result: dict[str, Any] = {}
     try:
@@ -72,9 +73,7 @@ def dispatch_and_idle(server: Any, *, samples: int, idle_s: float, log_dir: Path
             time.sleep(random.uniform(0.2, 0.4))  # the worker's claim loops are back to waiting
             request = SubmitRequest(tenant="latency", kind="probe", payload=b"{}", idempotency_key=f"l{i}")
             submitted = time.time()
-            item = dispatch.enqueue(
-                store, transport, request, signing_key=KEY.encode(), settings=settings
-            ).item
+            item = admission.enqueue(request).item
             while True:
                 job, started = sock.recv(200).decode().split()
                 if job == item.id:

@@ -37,6 +37,7 @@ def insert(count: int, batch: int) -> None:
     key = keys.signing_key(settings)
     store = open_store(settings)
     transport = open_transport(settings)
+    admission = dispatch.choose_admission(store, transport, signing_key=key, settings=settings)
     run = uuid.uuid4().hex[:8]
     store.now()  # connections up before the clock starts
     print(f"start {time.time():.6f}", flush=True)
@@ -48,7 +49,7 @@ def insert(count: int, batch: int) -> None:
             )
             for i in range(done, min(done + batch, count))
         ]
-        results = dispatch.enqueue_many(store, transport, requests, signing_key=key, settings=settings)
+        results = admission.enqueue_many(requests)
         failed += sum(isinstance(r, DispatchError) for r in results)
     transport.close()
     store.close()

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         return exc.exit_code
     host = args.host or settings.gateway_host
     port = settings.gateway_port if args.port is None else args.port
-    server = GatewayServer(settings, components, host=host, port=port)
+    server = GatewayServer(components, host=host, port=port)
     try:
         server.start()
     except OSError as exc:

@@ -134,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
         _fail(str(exc))
         return exc.exit_code
     tokens = TokenRegistry(tenants, path=tokens_path)
-    components = Components(runtime.store, runtime.transport, runtime.signing_key, tokens)
-    server = GatewayServer(settings, components, host=host, port=port, sock=sock)
+    components = Components(runtime, tokens)
+    server = GatewayServer(components, host=host, port=port, sock=sock)
     try:
         server.start()
     except BaseException:

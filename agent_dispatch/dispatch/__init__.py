@@ -52,7 +52,10 @@ def enqueue(
     signing_key: bytes,
     settings: Settings,
 ) -> SubmitResult:
-    """One turn, for a caller without an :class:`Admission` at hand (it is chosen here, each call)."""
+    """One turn, for a caller without an :class:`Admission` at hand (it is chosen here, each call).
+
+    Tests and one-off scripts only: every entry point admits through the strategy its
+    :class:`agent_dispatch.runtime.Runtime` chose once (``Runtime.admission``)."""
     admission = choose_admission(store, transport, signing_key=signing_key, settings=settings)
     return admission.enqueue(request)
 

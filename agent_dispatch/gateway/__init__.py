@@ -54,7 +54,7 @@ def open_components(settings: Settings, *, migrate: bool = False) -> Components:
     """
     tokens = load_tokens(settings)
     runtime = open_runtime(settings, migrate=migrate)
-    return Components(runtime.store, runtime.transport, runtime.signing_key, tokens)
+    return Components(runtime, tokens)
 
 
 def load_tokens(settings: Settings) -> TokenRegistry:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,13 +20,13 @@ from typing import Any, Final, ParamSpec, TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from agent_dispatch.dispatch import Admission, choose_admission
 from agent_dispatch.gateway import _metrics as m
 from agent_dispatch.gateway._auth import TokenRegistry
 from agent_dispatch.gateway._models import JobHandle
 from agent_dispatch.gateway._openapi import openapi_document
 from agent_dispatch.gateway.service import JobService, ServiceError, admission_result
 from agent_dispatch.models import WorkItem
+from agent_dispatch.runtime import Runtime
 from agent_dispatch.settings import Settings
 from agent_dispatch.store import WorkItemStore
 from agent_dispatch.transport import Transport
@@ -53,29 +52,30 @@ def job_handle(item: WorkItem, *, created: bool) -> dict[str, Any]:
 
 @dataclass
 class Gateway:
-    settings: Settings
-    store: WorkItemStore
-    transport: Transport
-    signing_key: bytes
+    """The handlers over one runtime: its store, its transport and its admission strategy (chosen
+    once by the runtime, on the first submission), so the gateway never picks a strategy itself."""
+
+    runtime: Runtime
     tokens: TokenRegistry
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="gateway-io")
     )
     service: JobService = field(init=False)
-    _admission: Admission | None = field(default=None, init=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def __post_init__(self) -> None:
-        self.service = JobService(self.settings, self.store, self.admission)
+        self.service = JobService(self.settings, self.store, lambda: self.runtime.admission)
 
-    def admission(self) -> Admission:
-        """The pair's admission strategy, chosen once (on the first submission)."""
-        with self._lock:
-            if self._admission is None:
-                self._admission = choose_admission(
-                    self.store, self.transport, signing_key=self.signing_key, settings=self.settings
-                )
-            return self._admission
+    @property
+    def settings(self) -> Settings:
+        return self.runtime.settings
+
+    @property
+    def store(self) -> WorkItemStore:
+        return self.runtime.store
+
+    @property
+    def transport(self) -> Transport:
+        return self.runtime.transport
 
     async def blocking(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         loop = asyncio.get_running_loop()
@@ -237,14 +237,8 @@ async def _errors_and_metrics(
     return response
 
 
-def create_app(
-    settings: Settings,
-    store: WorkItemStore,
-    transport: Transport,
-    signing_key: bytes,
-    tokens: TokenRegistry,
-) -> web.Application:
-    gateway = Gateway(settings, store, transport, signing_key, tokens)
+def create_app(runtime: Runtime, tokens: TokenRegistry) -> web.Application:
+    gateway = Gateway(runtime, tokens)
     # aiohttp refuses bodies past client_max_size itself; ours is a byte above the limit we check,
     # so a body exactly at the limit is read and anything larger is refused without buffering it.
     app = web.Application(middlewares=[_errors_and_metrics], client_max_size=gateway.service.body_limit + 1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import socket
@@ -15,9 +14,7 @@ from aiohttp import web
 
 from agent_dispatch.gateway._app import create_app
 from agent_dispatch.gateway._auth import TokenRegistry
-from agent_dispatch.settings import Settings
-from agent_dispatch.store import WorkItemStore
-from agent_dispatch.transport import Transport
+from agent_dispatch.runtime import Runtime
 
 log = logging.getLogger("agent_dispatch.gateway")
 
@@ -28,18 +25,14 @@ START_TIMEOUT_S: Final = 30.0
 
 @dataclass
 class Components:
-    """What a gateway serves over; the caller that opened them closes them."""
+    """What a gateway serves over (a runtime and the tenants' tokens); the caller that opened
+    them closes them."""
 
-    store: WorkItemStore
-    transport: Transport
-    signing_key: bytes
+    runtime: Runtime
     tokens: TokenRegistry
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.transport.close()
-        with contextlib.suppress(Exception):
-            self.store.close()
+        self.runtime.close()
 
 
 class GatewayServer:
@@ -47,7 +40,6 @@ class GatewayServer:
 
     def __init__(
         self,
-        settings: Settings,
         components: Components,
         *,
         host: str,
@@ -55,7 +47,6 @@ class GatewayServer:
         sock: socket.socket | None = None,
     ) -> None:
         """``sock``: an already bound listening socket to serve on (``up`` binds before it writes)."""
-        self._settings = settings
         self._sock = sock
         self._components = components
         self._host = host
@@ -104,7 +95,7 @@ class GatewayServer:
 
     async def _open(self) -> None:
         c = self._components
-        app = create_app(self._settings, c.store, c.transport, c.signing_key, c.tokens)
+        app = create_app(c.runtime, c.tokens)
         # access_log off: request lines carry job ids per request; the metrics carry the counts.
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self._runner.setup()

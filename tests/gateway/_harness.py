@@ -16,6 +16,7 @@ import pytest
 
 from agent_dispatch import stores, transports
 from agent_dispatch.gateway import Components, GatewayServer, TokenRegistry, hash_token, write_tokens_file
+from agent_dispatch.runtime import Runtime
 from agent_dispatch.settings import Settings
 from agent_dispatch.store import WorkItemStore
 from agent_dispatch.transport import Transport
@@ -124,10 +125,9 @@ def running_gateway(settings: Settings) -> Iterator[Running]:
     store = stores.open_store(settings)
     store.migrate()
     transport = transports.open_transport(settings)
-    components = Components(
-        store, transport, SIGNING_KEY.encode(), TokenRegistry.from_file(settings.tokens_file)
-    )
-    server = GatewayServer(settings, components, host="127.0.0.1", port=0).start()
+    runtime = Runtime(settings, SIGNING_KEY.encode(), store, transport)
+    components = Components(runtime, TokenRegistry.from_file(settings.tokens_file))
+    server = GatewayServer(components, host="127.0.0.1", port=0).start()
     running = Running(server.url, settings, store, transport, server)
     try:
         yield running
