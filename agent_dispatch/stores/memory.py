@@ -18,7 +18,8 @@ from agent_dispatch.settings import Settings
 from agent_dispatch.settings import load as load_settings
 from agent_dispatch.store import SCHEMA_VERSION
 from agent_dispatch.stores._common import Limits
-from agent_dispatch.stores._engine import EngineStore, Row
+from agent_dispatch.stores._engine import EngineStore
+from agent_dispatch.stores._engine_rows import Row
 
 _MISSING: Any = object()
 

@@ -40,7 +40,8 @@ from agent_dispatch.stores._common import (
     prepare_submit,
     to_dt,
 )
-from agent_dispatch.stores._engine import ROW_FIELDS, EngineStore, Row
+from agent_dispatch.stores._engine import EngineStore
+from agent_dispatch.stores._engine_rows import ROW_FIELDS, Row
 
 T: Final = "agent_dispatch_work_items"
 DEPS: Final = "agent_dispatch_dependencies"

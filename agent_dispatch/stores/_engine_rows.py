@@ -1,0 +1,99 @@
+"""What the Python lifecycle engine (:mod:`agent_dispatch.stores._engine`) works on: a
+:class:`Row` per WorkItem and the :class:`Tx` a backend supplies (rows in, rows out, at one
+store-clock instant). The in-memory and SQLite stores implement ``Tx``; nothing else does."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from agent_dispatch.models import Outcome, OutcomeRecord, WorkState
+
+
+@dataclass
+class Row:
+    """One WorkItem as the engine stores it: times are unix seconds by the store clock."""
+
+    id: str
+    tenant: str
+    kind: str
+    queue: str
+    session_id: str
+    state: WorkState
+    priority: int
+    deadline: float | None
+    attempt: int
+    max_attempts: int
+    lease_epoch: int
+    fencing_token: int
+    lease_owner: str | None
+    lease_expires_at: float | None
+    not_before: float | None
+    idempotency_key: str | None
+    depends_on: tuple[str, ...]
+    created_at: float
+    updated_at: float
+    fairness_group: str | None
+    outcome: Outcome | None
+    error: str | None
+    payload_size: int
+    payload_digest: bytes
+    #: Token of the fenced commit/retry that set ``outcome`` (how a repeated commit is recognised).
+    commit_token: int | None
+    #: Dependencies not yet succeeded; the item becomes ready when this reaches zero.
+    pending_deps: int
+    last_dispatched_at: float | None
+    seq: int = 0
+
+    def record(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def copy(self) -> Row:
+        return dataclasses.replace(self)
+
+
+ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Row))
+
+
+class Tx(Protocol):
+    """One transaction: ``now`` is read from the store clock once, when it begins."""
+
+    now: float
+
+    def load(self, work_item_id: str) -> Row | None: ...
+
+    def load_by_key(self, tenant: str, idempotency_key: str) -> Row | None: ...
+
+    def insert(self, row: Row, payload: bytes) -> None:
+        """Store a new row; sets ``row.seq``."""
+
+    def save(self, row: Row) -> None: ...
+
+    def link(self, dependent: str, dependencies: Sequence[str]) -> None: ...
+
+    def dependents(self, work_item_id: str) -> list[str]: ...
+
+    def first_claimable(self, queue: str | None, tenant: str | None) -> Row | None:
+        """The first row, by (priority desc, seq), that is ready and due or holds an expired lease."""
+
+    def overdue(self, limit: int) -> list[Row]:
+        """Non-terminal rows whose deadline has passed, earliest deadline first."""
+
+    def recoverable(self, stale_before: float, limit: int) -> list[Row]: ...
+
+    def touch_dispatched(self, work_item_ids: Sequence[str]) -> None: ...
+
+    def next_token(self) -> int:
+        """The next fencing token: strictly greater than every token issued before, store-wide."""
+
+    def append(self, record: OutcomeRecord) -> None: ...
+
+    def outcomes(self, work_item_id: str) -> list[OutcomeRecord]: ...
+
+    def payload(self, work_item_id: str) -> bytes | None: ...
+
+    def list_items(
+        self, tenant: str, states: Sequence[WorkState], limit: int, after: str | None
+    ) -> list[Row]: ...
