@@ -284,7 +284,7 @@ def schema_probe(settings: Settings) -> Iterable[Check]:
 def heartbeat_probe(settings: Settings) -> Iterable[Check]:
     """Worker heartbeats from their coordination.k8s.io Leases, when this process can see the cluster."""
     from agent_dispatch import k8s_names
-    from agent_dispatch.worker import kube_api_client
+    from agent_dispatch.k8s_client import new_api_client
 
     if not (settings.instance and settings.namespace):
         return [
@@ -294,18 +294,27 @@ def heartbeat_probe(settings: Settings) -> Iterable[Check]:
                 "not visible here (set AGENT_DISPATCH_INSTANCE and AGENT_DISPATCH_NAMESPACE in a cluster)",
             )
         ]
-    api_client = kube_api_client(settings)
+    api_client = new_api_client(settings.kubeconfig, default_kubeconfig=False)
     if api_client is None:
         return [Check("worker_heartbeats", "ok", "not visible here (no Kubernetes credentials)")]
     from datetime import UTC, datetime
 
     from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
 
-    leases = client.CoordinationV1Api(api_client).list_namespaced_lease(
-        settings.namespace,
-        label_selector=k8s_names.worker_lease_selector(settings.instance),
-        _request_timeout=PROBE_TIMEOUT_S / 2,
-    )
+    coordination = client.CoordinationV1Api(api_client)
+    try:
+        leases = coordination.list_namespaced_lease(
+            settings.namespace,
+            label_selector=k8s_names.worker_lease_selector(settings.instance),
+            _request_timeout=PROBE_TIMEOUT_S / 2,
+        )
+    except ApiException as exc:
+        if exc.status != 403:
+            raise
+        # A worker pod may not list Leases (least privilege: it gets, renews and deletes its own),
+        # so inside one the doctor reports that worker's heartbeat; the operator's status has all.
+        return _own_heartbeat(coordination, settings)
     now = datetime.now(UTC)
     live = stale = 0
     for lease in leases.items:
@@ -320,6 +329,34 @@ def heartbeat_probe(settings: Settings) -> Iterable[Check]:
     if live == 0:
         return [Check("worker_heartbeats", "warn", f"no live workers ({stale} stale)", data)]
     return [Check("worker_heartbeats", "ok", f"{live} live workers, {stale} stale", data)]
+
+
+def _own_heartbeat(coordination: Any, settings: Settings) -> list[Check]:
+    from datetime import UTC, datetime
+
+    from kubernetes.client.exceptions import ApiException
+
+    from agent_dispatch.worker import lease_name
+
+    if not (settings.worker_id and settings.instance and settings.namespace):
+        return [Check("worker_heartbeats", "ok", "not visible with this identity (it may not list Leases)")]
+    try:
+        lease = coordination.read_namespaced_lease(
+            lease_name(settings.instance, settings.worker_id),
+            settings.namespace,
+            _request_timeout=PROBE_TIMEOUT_S / 2,
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return [Check("worker_heartbeats", "warn", "this worker's Lease does not exist (not renewed yet?)")]
+        raise
+    renewed = lease.spec.renew_time if lease.spec is not None else None
+    age = (datetime.now(UTC) - renewed).total_seconds() if renewed is not None else None
+    duration = (lease.spec.lease_duration_seconds if lease.spec is not None else None) or 0
+    data = {"renewed_s_ago": round(age, 1) if age is not None else None, "duration_s": duration}
+    if age is None or age > duration:
+        return [Check("worker_heartbeats", "warn", "this worker's Lease is stale", data)]
+    return [Check("worker_heartbeats", "ok", f"this worker's Lease renewed {age:.0f}s ago", data)]
 
 
 #: What ``agent-dispatch doctor`` runs besides the static checks.

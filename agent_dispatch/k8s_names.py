@@ -1,4 +1,5 @@
-"""Kubernetes names shared by the worker and the operator.
+"""Kubernetes names (and the API server's timestamp format) shared by the worker, the operator and
+the metrics API.
 
 This module sits at the bottom of the layer stack and imports nothing from the package, so
 the worker (which writes its heartbeat Lease) and the operator (which folds those Leases into
@@ -7,7 +8,8 @@ the worker (which writes its heartbeat Lease) and the operator (which folds thos
 
 from __future__ import annotations
 
-from typing import Final
+import datetime as dt
+from typing import Any, Final
 
 #: The API group of the AgentDispatch custom resource, and the prefix of every label,
 #: annotation and finalizer the project owns (never another project's prefix).
@@ -64,3 +66,22 @@ def worker_lease_selector(instance: str) -> str:
     """The label selector that lists one AgentDispatch's worker Leases (the instance label alone is
     the contract; the worker also sets the component label, which the operator does not require)."""
     return f"{INSTANCE_LABEL}={instance}"
+
+
+def rfc3339(when: dt.datetime) -> str:
+    """A timestamp as the API server writes one (``metav1.Time``: whole seconds, UTC, ``Z``)."""
+    return when.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: Any) -> dt.datetime | None:
+    """A Kubernetes timestamp (RFC 3339, with or without fractions) or a datetime, as aware UTC;
+    ``None`` for anything else (a missing or malformed field is no time, not an error)."""
+    if isinstance(value, dt.datetime):
+        return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from agent_dispatch import k8s_names
+from agent_dispatch.k8s_names import parse_time, rfc3339
 
 GROUP: Final = "external.metrics.k8s.io"
 VERSION: Final = "v1beta1"
@@ -199,16 +200,6 @@ class Reading:
     problem: str | None = None
 
 
-def _parse_time(value: Any) -> dt.datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
-
-
 def reading(obj: Mapping[str, Any], now: dt.datetime, max_age_s: float = DEFAULT_MAX_AGE_S) -> Reading:
     """The depth of one AgentDispatch: ``.status.queueDepth``, dated by ``.status.queueDepthTime``
     (written by the operator at each refresh while autoscaling is on). Missing, unknown (the
@@ -217,7 +208,7 @@ def reading(obj: Mapping[str, Any], now: dt.datetime, max_age_s: float = DEFAULT
     labels = instance_labels(obj)
     st = obj.get("status") or {}
     depth = st.get("queueDepth")
-    observed = _parse_time(st.get("queueDepthTime"))
+    observed = parse_time(st.get("queueDepthTime"))
     if observed is None:
         return Reading(name, labels, None, None, f"AgentDispatch {name} reports no queue depth time yet")
     if not isinstance(depth, int) or isinstance(depth, bool):
@@ -232,10 +223,6 @@ def reading(obj: Mapping[str, Any], now: dt.datetime, max_age_s: float = DEFAULT
             f"queue depth of AgentDispatch {name} is stale: observed {age:.0f}s ago (limit {max_age_s:.0f}s)",
         )
     return Reading(name, labels, depth, observed)
-
-
-def rfc3339(when: dt.datetime) -> str:
-    return when.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def value_list(readings: Sequence[Reading], metric: str = METRIC) -> dict[str, Any]:

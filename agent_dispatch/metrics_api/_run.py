@@ -17,6 +17,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from agent_dispatch import _logging
+from agent_dispatch.k8s_client import new_api_client
 from agent_dispatch.metrics_api import _api, _auth, _server
 from agent_dispatch.runtime import EXIT_UNAVAILABLE
 from agent_dispatch.settings import load_or_exit
@@ -56,19 +57,6 @@ def register(sub: Any) -> None:
         help="a queue depth older than this is an error, not a number (default 30)",
     )
     parser.set_defaults(handler=main)
-
-
-def kube_api_client() -> Any:
-    """In a pod: its ServiceAccount; elsewhere: the kubeconfig ($KUBECONFIG)."""
-    from kubernetes import client, config
-
-    load_incluster: Any = config.load_incluster_config
-    from_kubeconfig: Any = config.new_client_from_config
-    try:
-        load_incluster()
-        return client.ApiClient()
-    except config.ConfigException:
-        return from_kubeconfig(persist_config=False)
 
 
 def read_auth_config(api_client: Any) -> _auth.RequestHeaderConfig | None:
@@ -130,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port)
-    api_client = kube_api_client()
+    api_client = new_api_client()
     try:
         config = read_auth_config(api_client)
     except Exception as exc:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final, Protocol
 
 from agent_dispatch import k8s_names
+from agent_dispatch.k8s_client import new_api_client
 
 REQUEST_TIMEOUT_S: Final = 30
 
@@ -178,17 +179,3 @@ def _message(exc: Exception) -> str:
     if isinstance(data, Mapping):
         return str(data.get("message", ""))[:500]
     return str(body or getattr(exc, "reason", ""))[:500]
-
-
-def new_api_client() -> Any:
-    """The one credentials lookup: the in-cluster ServiceAccount, else the kubeconfig ($KUBECONFIG)."""
-    from kubernetes import client, config
-
-    # The loaders are untyped; called through Any so strict typing holds with or without stubs.
-    load_incluster: Any = config.load_incluster_config
-    from_kubeconfig: Any = config.new_client_from_config
-    try:
-        load_incluster()
-        return client.ApiClient()
-    except config.ConfigException:
-        return from_kubeconfig(persist_config=False)

@@ -303,7 +303,7 @@ def _hpa_state(
     )
     extra: dict[str, Any] = {"autoscaler": _status.autoscaler_status("hpa", hpa)}
     if depth is not None:
-        extra["queueDepthTime"] = _status.rfc3339(_status.now_utc())
+        extra["queueDepthTime"] = k8s_names.rfc3339(_status.now_utc())
     return extra, [_status.metric_condition(depth, hpa)]
 
 
@@ -330,7 +330,7 @@ def _finish(
     }
     # A refresh leaves the time of the last reconcile alone, so an idle resource's status stays
     # byte-identical between refreshes and the timer writes nothing.
-    last = _status.rfc3339(_status.now_utc()) if reconciled else previous.get("lastReconcileTime")
+    last = k8s_names.rfc3339(_status.now_utc()) if reconciled else previous.get("lastReconcileTime")
     if last is not None:
         status["lastReconcileTime"] = last
     # The partitions high-water mark never goes down, whatever a later spec says.

@@ -15,6 +15,7 @@ from typing import Any, Final, Literal
 from pydantic import SecretStr
 
 from agent_dispatch import doctor
+from agent_dispatch.k8s_names import parse_time, rfc3339
 from agent_dispatch.operator._spec import DispatchSpec
 from agent_dispatch.settings import Backend, Settings
 
@@ -43,23 +44,6 @@ REASON_RECONCILE_FAILED: Final = "ReconcileFailed"
 
 def now_utc() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
-
-
-def rfc3339(when: dt.datetime) -> str:
-    return when.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(value: Any) -> dt.datetime | None:
-    """A Kubernetes timestamp (RFC 3339, with or without fractions) or a datetime, as aware UTC."""
-    if isinstance(value, dt.datetime):
-        return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from agent_dispatch.k8s_client import new_api_client
 from agent_dispatch.runtime import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Runtime, StartupError, open_runtime
 from agent_dispatch.settings import Settings
 from agent_dispatch.worker._executors import Executor, TurnFailed, load_executor
-from agent_dispatch.worker._heartbeat import LeaseHeartbeat, kube_api_client
+from agent_dispatch.worker._heartbeat import LeaseHeartbeat, lease_name
 from agent_dispatch.worker._loop import Worker, WorkerState
 
 __all__ = [
@@ -24,7 +25,7 @@ __all__ = [
     "WorkerStartupError",
     "WorkerState",
     "build_worker",
-    "kube_api_client",
+    "lease_name",
     "run_worker",
 ]
 
@@ -173,7 +174,7 @@ def run_worker(settings: Settings, *, concurrency: int | None = None) -> int:
         server = serve(worker.state, settings.metrics_port, stale_after_s=max(30.0, settings.claim_ttl_s))
     heartbeat = None
     if settings.instance and settings.namespace:
-        api = kube_api_client(settings)
+        api = new_api_client(settings.kubeconfig, default_kubeconfig=False)
         if api is not None:
             heartbeat = LeaseHeartbeat(
                 api,

@@ -13,7 +13,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent_dispatch import k8s_names as names
-from agent_dispatch.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +109,3 @@ class LeaseHeartbeat:
                 self._api.delete_namespaced_lease(self.name, self._namespace)
             except Exception:
                 log.info("worker Lease not deleted", exc_info=True)
-
-
-def kube_api_client(settings: Settings) -> Any | None:
-    """In a pod: the service account; elsewhere: $KUBECONFIG if set. None when neither is there."""
-    from kubernetes import client, config
-
-    if settings.in_cluster:
-        config.load_incluster_config()
-        return client.ApiClient()
-    if settings.kubeconfig is not None:
-        return config.new_client_from_config(config_file=str(settings.kubeconfig))
-    return None
