@@ -47,13 +47,23 @@ class Admission(Protocol):
 
 
 class _Strategy:
+    #: What the pair must offer, said in the TypeError of a strategy built for a pair it does not fit.
+    NEEDS = "nothing"
+
     def __init__(
         self, store: WorkItemStore, transport: Transport, *, signing_key: bytes, settings: Settings
     ) -> None:
+        if not self.fits(store, transport):
+            raise TypeError(f"{type(self).__name__} needs {self.NEEDS}")
         self.store = store
         self.transport = transport
         self.signing_key = signing_key
         self.settings = settings
+
+    @classmethod
+    def fits(cls, store: WorkItemStore, transport: Transport) -> bool:
+        """Whether this pair offers the capabilities the strategy relies on."""
+        return True
 
     def _turns(self, items: Sequence[WorkItem]) -> list[OutboundTurn]:
         return [build_turn(item, signing_key=self.signing_key) for item in items]
@@ -92,16 +102,20 @@ class _Strategy:
 class OneTransaction(_Strategy):
     """Submit and admit in one transaction of the database the store and the queue share."""
 
+    NEEDS = "a store and a transport in one database"
+
     def __init__(
         self, store: WorkItemStore, transport: Transport, *, signing_key: bytes, settings: Settings
     ) -> None:
-        if not shares_database(store, transport):
-            raise TypeError("OneTransaction needs a store and a transport in one database")
-        assert isinstance(store, TransactionalSubmit) and isinstance(transport, AdmitOnConnection)
         super().__init__(store, transport, signing_key=signing_key, settings=settings)
+        assert isinstance(store, TransactionalSubmit) and isinstance(transport, AdmitOnConnection)
         self._submitter = store
         self._queue = transport
         self._batch = store if isinstance(store, BatchSubmit) else None
+
+    @classmethod
+    def fits(cls, store: WorkItemStore, transport: Transport) -> bool:
+        return shares_database(store, transport)
 
     def enqueue(self, request: SubmitRequest) -> SubmitResult:
         check_envelope_fields(request)
@@ -164,13 +178,18 @@ class OneTransaction(_Strategy):
 class Reserved(_Strategy):
     """Reserve room first (Kafka), so a refusal comes before anything is stored."""
 
+    NEEDS = "a transport that can reserve room"
+
     def __init__(
         self, store: WorkItemStore, transport: Transport, *, signing_key: bytes, settings: Settings
     ) -> None:
-        if not isinstance(transport, Reserving):
-            raise TypeError("Reserved needs a transport that can reserve room")
         super().__init__(store, transport, signing_key=signing_key, settings=settings)
+        assert isinstance(transport, Reserving)
         self._reserving = transport
+
+    @classmethod
+    def fits(cls, store: WorkItemStore, transport: Transport) -> bool:
+        return isinstance(transport, Reserving)
 
     def enqueue(self, request: SubmitRequest) -> SubmitResult:
         check_envelope_fields(request)
@@ -297,9 +316,7 @@ def shares_database(store: WorkItemStore, transport: Transport) -> bool:
 def choose_admission(
     store: WorkItemStore, transport: Transport, *, signing_key: bytes, settings: Settings
 ) -> Admission:
-    """The strategy for this pair, from the capabilities the two implement (see the module docstring)."""
-    if shares_database(store, transport):
-        return OneTransaction(store, transport, signing_key=signing_key, settings=settings)
-    if isinstance(transport, Reserving):
-        return Reserved(store, transport, signing_key=signing_key, settings=settings)
-    return AfterSubmit(store, transport, signing_key=signing_key, settings=settings)
+    """The strategy for this pair, from the capabilities the two implement (see the module docstring):
+    the first of these, in this order of preference, that fits the pair (``AfterSubmit`` fits any)."""
+    strategy = next(s for s in (OneTransaction, Reserved, AfterSubmit) if s.fits(store, transport))
+    return strategy(store, transport, signing_key=signing_key, settings=settings)
