@@ -348,7 +348,9 @@ def _own_heartbeat(coordination: Any, settings: Settings) -> list[Check]:
         )
     except ApiException as exc:
         if exc.status == 404:
-            return [Check("worker_heartbeats", "warn", "this worker's Lease does not exist (not renewed yet?)")]
+            return [
+                Check("worker_heartbeats", "warn", "this worker's Lease does not exist (not renewed yet?)")
+            ]
         raise
     renewed = lease.spec.renew_time if lease.spec is not None else None
     age = (datetime.now(UTC) - renewed).total_seconds() if renewed is not None else None

@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from agent_dispatch.models import TERMINAL
@@ -209,3 +210,20 @@ def open_client(settings: Settings, *, url: str | None, token: str | None, tenan
             token = settings.token.get_secret_value()
         return HttpClient(url, token)
     return DirectClient(settings, tenant)
+
+
+def run_with_client(
+    settings: Settings, args: argparse.Namespace, command: str, body: Callable[[JobsClient], int]
+) -> int:
+    """Open the client the options name, run ``body`` with it and close it; a ``ClientError`` is
+    printed once, as ``agent-dispatch <command>: ...``, and becomes the exit code."""
+    client = None
+    try:
+        client = open_client(settings, url=args.url, token=args.token, tenant=args.tenant)
+        return body(client)
+    except ClientError as exc:
+        print(f"agent-dispatch {command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    finally:
+        if client is not None:
+            client.close()

@@ -51,7 +51,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_dispatch.cli._client import ClientError, open_client
+    from agent_dispatch.cli._client import JobsClient, run_with_client
     from agent_dispatch.runtime import EXIT_OK, EXIT_USAGE
     from agent_dispatch.settings import load_or_exit
 
@@ -59,9 +59,8 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "list" and not 1 <= args.limit <= 1000:
         print("agent-dispatch jobs list: invalid option --limit: allowed: 1 to 1000", file=sys.stderr)
         return EXIT_USAGE
-    client = None
-    try:
-        client = open_client(settings, url=args.url, token=args.token, tenant=args.tenant)
+
+    def act(client: JobsClient) -> int:
         if args.action in {"status", "show"}:
             print(json.dumps(client.status(args.job_id), indent=2))
         elif args.action == "cancel":
@@ -77,12 +76,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             return watch(client, args.job_ids, interval_s=args.interval, timeout_s=args.timeout)
         return EXIT_OK
-    except ClientError as exc:
-        print(f"agent-dispatch jobs {args.action}: {exc}", file=sys.stderr)
-        return exc.exit_code
-    finally:
-        if client is not None:
-            client.close()
+
+    return run_with_client(settings, args, f"jobs {args.action}", act)
 
 
 def _row(job: dict[str, Any]) -> list[str]:

@@ -72,7 +72,7 @@ def _deadline(text: str | None) -> float | str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_dispatch.cli._client import ClientError, open_client, wait_terminal
+    from agent_dispatch.cli._client import JobsClient, run_with_client, wait_terminal
     from agent_dispatch.runtime import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
     from agent_dispatch.settings import load_or_exit
 
@@ -91,9 +91,8 @@ def run(args: argparse.Namespace) -> int:
     }.items():
         if value is not None:
             turn[key] = value
-    client = None
-    try:
-        client = open_client(settings, url=args.url, token=args.token, tenant=args.tenant)
+
+    def act(client: JobsClient) -> int:
         handle = client.submit(turn, idempotency_key=args.idempotency_key)
         print(json.dumps(handle, indent=2), flush=True)
         if not args.wait:
@@ -101,9 +100,5 @@ def run(args: argparse.Namespace) -> int:
         final = wait_terminal(client, handle["job_id"], timeout_s=args.timeout)
         print(json.dumps(final, indent=2), flush=True)
         return EXIT_OK if final.get("state") == "succeeded" else EXIT_FAILURE
-    except ClientError as exc:
-        print(f"agent-dispatch submit: {exc}", file=sys.stderr)
-        return exc.exit_code
-    finally:
-        if client is not None:
-            client.close()
+
+    return run_with_client(settings, args, "submit", act)

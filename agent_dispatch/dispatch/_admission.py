@@ -59,6 +59,10 @@ class _Strategy:
         self.transport = transport
         self.signing_key = signing_key
         self.settings = settings
+        self._bind()
+
+    def _bind(self) -> None:
+        """Keep the pair under the capability types this strategy uses (it fits, so they hold)."""
 
     @classmethod
     def fits(cls, store: WorkItemStore, transport: Transport) -> bool:
@@ -104,10 +108,8 @@ class OneTransaction(_Strategy):
 
     NEEDS = "a store and a transport in one database"
 
-    def __init__(
-        self, store: WorkItemStore, transport: Transport, *, signing_key: bytes, settings: Settings
-    ) -> None:
-        super().__init__(store, transport, signing_key=signing_key, settings=settings)
+    def _bind(self) -> None:
+        store, transport = self.store, self.transport
         assert isinstance(store, TransactionalSubmit) and isinstance(transport, AdmitOnConnection)
         self._submitter = store
         self._queue = transport
@@ -180,12 +182,9 @@ class Reserved(_Strategy):
 
     NEEDS = "a transport that can reserve room"
 
-    def __init__(
-        self, store: WorkItemStore, transport: Transport, *, signing_key: bytes, settings: Settings
-    ) -> None:
-        super().__init__(store, transport, signing_key=signing_key, settings=settings)
-        assert isinstance(transport, Reserving)
-        self._reserving = transport
+    def _bind(self) -> None:
+        assert isinstance(self.transport, Reserving)
+        self._reserving = self.transport
 
     @classmethod
     def fits(cls, store: WorkItemStore, transport: Transport) -> bool:
