@@ -199,6 +199,72 @@ class BatchSubmit(Protocol):
         """
 
 
+@dataclass(frozen=True)
+class TenantBacklog:
+    """One tenant's unfinished work: what the fairness view shows beside what was served."""
+
+    tenant: str
+    #: submitted (waiting on dependencies) and ready items.
+    queued: int
+    #: leased and running items.
+    running: int
+    #: When the oldest still-queued item was created (``None`` when nothing is queued).
+    oldest_waiting: datetime | None
+
+
+@dataclass(frozen=True)
+class SeqEvent:
+    """An outcome record with its place in the store-wide append order (for incremental reads)."""
+
+    seq: int
+    record: OutcomeRecord
+
+
+@runtime_checkable
+class Inspectable(Protocol):
+    """What the web UI reads and the one operator action it adds; every store has it.
+
+    Each read is bounded by an index (or by ``limit``): the overview must not scan the table.
+    """
+
+    def browse(
+        self,
+        *,
+        tenant: str | None,
+        states: Sequence[WorkState] = (),
+        kind: str | None = None,
+        session_id: str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> list[WorkItem]:
+        """Items newest first, of ``tenant`` (``None``: every tenant, for an admin), filtered.
+
+        ``after`` is the last id of the previous page; an id the caller may not see gives ``[]``.
+        """
+
+    def dependents(self, work_item_id: str) -> list[str]:
+        """Ids of the items that depend on ``work_item_id`` (the caller has checked its tenant)."""
+
+    def backlog(self, *, limit: int = 1000) -> list[TenantBacklog]:
+        """Per tenant with unfinished work: queued, running, oldest waiting (most queued first)."""
+
+    def held_leases(self, *, limit: int = 200) -> list[WorkItem]:
+        """Items under a lease (leased or running), soonest expiry first."""
+
+    def events_after(self, seq: int, *, limit: int = 10000) -> list[SeqEvent]:
+        """Outcome records appended after ``seq``, in order; ``seq=-1``: only the newest one."""
+
+    def retry_dead_letter(self, work_item_id: str, *, tenant: str | None, reason: str) -> WorkItem:
+        """An operator's retry: ``dead_letter`` back to ``ready`` with one more attempt.
+
+        Fenced-safe: the item keeps its lease epoch and fencing token, and the next claim issues a
+        new one of each, so a stale holder of an old lease stays fenced. The lease, outcome, error
+        and commit token are cleared; ``max_attempts`` becomes at least ``attempt + 1``. Dependents
+        cancelled when it was dead-lettered stay cancelled. ``NotFound`` if absent or (with
+        ``tenant``) another tenant's; ``InvalidTransition`` unless it is dead-lettered.
+        """
+
+
 def check_payload(payload: bytes, limit: int) -> None:
     if len(payload) > limit:
         raise PayloadTooLarge(f"payload is {len(payload)} bytes; the limit is {limit}")

@@ -103,6 +103,8 @@ class Event(StrEnum):
     CANCEL = "cancel"
     EXPIRE = "expire"
     DEAD_LETTER = "dead_letter"
+    #: An operator sent a dead-lettered item back to ready (``Inspectable.retry_dead_letter``).
+    RETRY_DEAD_LETTER = "retry_dead_letter"
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,11 @@ from agent_dispatch.stores._common import (
     to_ts,
 )
 from agent_dispatch.stores._engine_fenced import FencedCalls
+from agent_dispatch.stores._engine_inspect import InspectCalls
 from agent_dispatch.stores._engine_rows import Row, Tx
 
 
-class EngineStore(FencedCalls):
+class EngineStore(InspectCalls, FencedCalls):
     """Every WorkItemStore operation over a serialised :class:`Tx`."""
 
     # --- submit ----------------------------------------------------------------------------------

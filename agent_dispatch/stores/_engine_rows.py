@@ -97,3 +97,23 @@ class Tx(Protocol):
     def list_items(
         self, tenant: str, states: Sequence[WorkState], limit: int, after: str | None
     ) -> list[Row]: ...
+
+    # --- reads for the web UI (agent_dispatch.store.Inspectable) ---------------------------------
+
+    def browse(
+        self,
+        tenant: str | None,
+        states: Sequence[WorkState],
+        *,
+        kind: str | None,
+        session_id: str | None,
+        limit: int,
+        after: str | None,
+    ) -> list[Row]: ...
+
+    def backlog(self, limit: int) -> list[tuple[str, int, int, float | None]]:
+        """(tenant, queued, running, oldest queued created_at) per tenant with unfinished work."""
+
+    def held(self, limit: int) -> list[Row]: ...
+
+    def events_after(self, seq: int, limit: int) -> list[tuple[int, OutcomeRecord]]: ...

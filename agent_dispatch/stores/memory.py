@@ -31,6 +31,8 @@ class _Tables:
         self.keys: dict[tuple[str, str], str] = {}
         self.dependents: dict[str, list[str]] = {}
         self.outcomes: dict[str, list[OutcomeRecord]] = {}
+        #: Every record in append order (its index + 1 is its seq), for ``events_after``.
+        self.events: list[OutcomeRecord] = []
         self.token = 0
         self.seq = 0
 
@@ -163,6 +165,9 @@ class _MemoryTx:
         self._put(
             self.t.outcomes, record.work_item_id, [*self.t.outcomes.get(record.work_item_id, []), record]
         )
+        events = self.t.events
+        events.append(record)
+        self._undo.append(lambda: events.__delitem__(-1))
 
     def outcomes(self, work_item_id: str) -> list[OutcomeRecord]:
         return list(self.t.outcomes.get(work_item_id, []))
@@ -185,6 +190,56 @@ class _MemoryTx:
                 return []
             rows = [row for row in rows if row.seq < anchor.seq]
         return [row.copy() for row in rows[:limit]]
+
+    def browse(
+        self,
+        tenant: str | None,
+        states: Sequence[WorkState],
+        *,
+        kind: str | None,
+        session_id: str | None,
+        limit: int,
+        after: str | None,
+    ) -> list[Row]:
+        rows = [
+            row
+            for row in self.t.items.values()
+            if (tenant is None or row.tenant == tenant)
+            and (not states or row.state in states)
+            and (kind is None or row.kind == kind)
+            and (session_id is None or row.session_id == session_id)
+        ]
+        rows.sort(key=lambda row: row.seq, reverse=True)
+        if after is not None:
+            anchor = self.t.items.get(after)
+            if anchor is None or (tenant is not None and anchor.tenant != tenant):
+                return []
+            rows = [row for row in rows if row.seq < anchor.seq]
+        return [row.copy() for row in rows[:limit]]
+
+    def backlog(self, limit: int) -> list[tuple[str, int, int, float | None]]:
+        tenants: dict[str, list[Any]] = {}
+        for row in self.t.items.values():
+            if row.state.terminal:
+                continue
+            entry = tenants.setdefault(row.tenant, [0, 0, None])
+            if row.state in LEASED_STATES:
+                entry[1] += 1
+            else:
+                entry[0] += 1
+                entry[2] = row.created_at if entry[2] is None else min(entry[2], row.created_at)
+        ranked = sorted(tenants.items(), key=lambda kv: (-kv[1][0], kv[0]))
+        return [(tenant, q, r, oldest) for tenant, (q, r, oldest) in ranked[:limit]]
+
+    def held(self, limit: int) -> list[Row]:
+        rows = [row for row in self.t.items.values() if row.state in LEASED_STATES]
+        rows.sort(key=lambda row: (row.lease_expires_at or 0.0, row.seq))
+        return [row.copy() for row in rows[:limit]]
+
+    def events_after(self, seq: int, limit: int) -> list[tuple[int, OutcomeRecord]]:
+        events = self.t.events
+        start = max(len(events) - 1, 0) if seq < 0 else seq
+        return [(n + 1, events[n]) for n in range(start, min(len(events), start + limit))]
 
 
 class MemoryStore(EngineStore):

@@ -42,6 +42,7 @@ from agent_dispatch.stores._common import (
 )
 from agent_dispatch.stores._engine import EngineStore
 from agent_dispatch.stores._engine_rows import ROW_FIELDS, Row
+from agent_dispatch.stores._sqlite_inspect import SqliteInspectTx
 
 T: Final = "agent_dispatch_work_items"
 DEPS: Final = "agent_dispatch_dependencies"
@@ -87,7 +88,7 @@ def _row(rec: sqlite3.Row) -> Row:
     return Row(**data)
 
 
-class _SqliteTx:
+class _SqliteTx(SqliteInspectTx):
     def __init__(self, conn: sqlite3.Connection, now: float) -> None:
         self.conn = conn
         self.now = now

@@ -52,6 +52,7 @@ from agent_dispatch.stores._common import (
     repeated_commit,
 )
 from agent_dispatch.stores.postgres._base import Conn
+from agent_dispatch.stores.postgres._inspect import Inspecting
 from agent_dispatch.stores.postgres._submit import Submitting
 from agent_dispatch.stores.postgres.statements import (
     CANCEL,
@@ -76,7 +77,7 @@ from agent_dispatch.stores.postgres.statements import (
 )
 
 
-class PostgresStore(Submitting):
+class PostgresStore(Inspecting, Submitting):
     """WorkItemStore on PostgreSQL through a psycopg connection pool."""
 
     # --- claim -----------------------------------------------------------------------------------------------

@@ -1,0 +1,84 @@
+"""The web UI's reads and its one operator action (``Inspectable``) for the engine stores.
+
+Memory and SQLite supply the queries through their :class:`~agent_dispatch.stores._engine_rows.Tx`;
+the rules (tenant scoping, the dead-letter retry's transition) are written here once. PostgreSQL
+does the same in SQL (``agent_dispatch.stores.postgres._inspect``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from agent_dispatch.errors import InvalidRequest, InvalidTransition, NotFound
+from agent_dispatch.models import WorkItem, WorkState
+from agent_dispatch.store import SeqEvent, TenantBacklog, bound_error
+from agent_dispatch.stores._common import Event, make_item, to_dt
+from agent_dispatch.stores._engine_base import EngineBase
+
+
+class InspectCalls(EngineBase):
+    """``agent_dispatch.store.Inspectable`` over a serialised Tx."""
+
+    def browse(
+        self,
+        *,
+        tenant: str | None,
+        states: Sequence[WorkState] = (),
+        kind: str | None = None,
+        session_id: str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> list[WorkItem]:
+        if limit < 1:
+            raise InvalidRequest("limit must be at least 1")
+        with self._read() as tx:
+            rows = tx.browse(
+                tenant,
+                [WorkState(s) for s in states],
+                kind=kind,
+                session_id=session_id,
+                limit=limit,
+                after=after,
+            )
+        return [make_item(row.record()) for row in rows]
+
+    def dependents(self, work_item_id: str) -> list[str]:
+        with self._read() as tx:
+            return sorted(tx.dependents(work_item_id))
+
+    def backlog(self, *, limit: int = 1000) -> list[TenantBacklog]:
+        with self._read() as tx:
+            rows = tx.backlog(limit)
+        return [TenantBacklog(t, queued, running, to_dt(oldest)) for t, queued, running, oldest in rows]
+
+    def held_leases(self, *, limit: int = 200) -> list[WorkItem]:
+        with self._read() as tx:
+            rows = tx.held(limit)
+        return [make_item(row.record()) for row in rows]
+
+    def events_after(self, seq: int, *, limit: int = 10000) -> list[SeqEvent]:
+        with self._read() as tx:
+            return [SeqEvent(n, record) for n, record in tx.events_after(seq, limit)]
+
+    def retry_dead_letter(self, work_item_id: str, *, tenant: str | None, reason: str) -> WorkItem:
+        with self._write() as tx:
+            row = tx.load(work_item_id)
+            if row is None or (tenant is not None and row.tenant != tenant):
+                raise NotFound(f"work item {work_item_id} not found")
+            if row.state is not WorkState.DEAD_LETTER:
+                raise InvalidTransition(f"work item {work_item_id} is {row.state.value}, not dead_letter")
+            # Epoch and token stay: the next claim issues new ones, so an old lease stays fenced.
+            row.state = WorkState.READY
+            row.max_attempts = max(row.max_attempts, row.attempt + 1)
+            row.lease_owner = None
+            row.lease_expires_at = None
+            row.not_before = None
+            row.outcome = None
+            row.error = None
+            row.commit_token = None
+            # Never dispatched since: the recovery sweep re-drives it if the caller's admit is lost.
+            row.last_dispatched_at = None
+            row.updated_at = tx.now
+            tx.save(row)
+            self._event(tx, row, Event.RETRY_DEAD_LETTER, detail=bound_error(reason))
+            return make_item(row.record())

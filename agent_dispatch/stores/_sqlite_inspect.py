@@ -1,0 +1,89 @@
+"""The SQLite store's queries for the web UI (``Inspectable``), mixed into its transaction class.
+
+Each is bounded by an index or a ``LIMIT``: held leases read the lease-expiry index, events the
+outcome log's primary key from a position on. The per-tenant backlog reads the unfinished rows
+only (a local store's backlog is small; PostgreSQL answers it from its claim indexes).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from typing import Any, Final
+
+from agent_dispatch.models import OutcomeRecord, WorkState
+from agent_dispatch.stores._common import OUTCOME_SELECT, to_dt
+from agent_dispatch.stores._engine_rows import ROW_FIELDS, Row
+
+T: Final = "agent_dispatch_work_items"
+OUTCOMES: Final = "agent_dispatch_outcomes"
+_COLUMNS: Final = ", ".join(ROW_FIELDS)
+
+
+class SqliteInspectTx:
+    """Mixed into the SQLite transaction: ``conn`` and ``_rows`` come from there."""
+
+    conn: sqlite3.Connection
+
+    def _rows(self, sql: str, params: Sequence[Any]) -> list[Row]:
+        raise NotImplementedError
+
+    def browse(
+        self,
+        tenant: str | None,
+        states: Sequence[WorkState],
+        *,
+        kind: str | None,
+        session_id: str | None,
+        limit: int,
+        after: str | None,
+    ) -> list[Row]:
+        where: list[str] = []
+        params: list[Any] = []
+        for column, value in (("tenant", tenant), ("kind", kind), ("session_id", session_id)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if states:
+            where.append(f"state IN ({', '.join('?' * len(states))})")
+            params.extend(state.value for state in states)
+        if after is not None:
+            # An anchor the caller may not see matches no seq: ``seq < NULL`` is never true.
+            scope = " AND tenant = ?" if tenant is not None else ""
+            where.append(f"seq < (SELECT seq FROM {T} WHERE id = ?{scope})")
+            params.extend([after] + ([tenant] if tenant is not None else []))
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        return self._rows(f"SELECT {_COLUMNS} FROM {T} {clause} ORDER BY seq DESC LIMIT ?", [*params, limit])
+
+    def backlog(self, limit: int) -> list[tuple[str, int, int, float | None]]:
+        rows = self.conn.execute(
+            f"SELECT tenant, sum(state IN ('submitted', 'ready')) AS queued,"
+            f" sum(state IN ('leased', 'running')),"
+            f" min(CASE WHEN state IN ('submitted', 'ready') THEN created_at END)"
+            f" FROM {T} WHERE state IN ('submitted', 'ready', 'leased', 'running')"
+            f" GROUP BY tenant ORDER BY queued DESC, tenant LIMIT ?",
+            (limit,),
+        ).fetchall()
+        return [(str(t), int(q), int(r), None if o is None else float(o)) for t, q, r, o in rows]
+
+    def held(self, limit: int) -> list[Row]:
+        return self._rows(
+            f"SELECT {_COLUMNS} FROM {T} WHERE state IN ('leased', 'running')"
+            f" ORDER BY lease_expires_at, seq LIMIT ?",
+            [limit],
+        )
+
+    def events_after(self, seq: int, limit: int) -> list[tuple[int, OutcomeRecord]]:
+        if seq < 0:
+            sql = f"SELECT seq, {OUTCOME_SELECT} FROM {OUTCOMES} ORDER BY seq DESC LIMIT 1"
+            rows = self.conn.execute(sql).fetchall()
+        else:
+            sql = f"SELECT seq, {OUTCOME_SELECT} FROM {OUTCOMES} WHERE seq > ? ORDER BY seq LIMIT ?"
+            rows = self.conn.execute(sql, (seq, limit)).fetchall()
+        result = []
+        for n, item_id, tenant, event, owner, epoch, token, at, outcome, detail in rows:
+            when = to_dt(at)
+            assert when is not None
+            record = OutcomeRecord(item_id, tenant, event, owner, epoch, token, when, outcome, detail)
+            result.append((int(n), record))
+        return result

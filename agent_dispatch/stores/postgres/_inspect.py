@@ -1,0 +1,130 @@
+"""The web UI's reads and the dead-letter retry (``Inspectable``) on PostgreSQL.
+
+The statements live in ``sql/inspect.sql``; the rules match the engine stores'
+(:mod:`agent_dispatch.stores._engine_inspect`), and the contract suite holds both to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+from psycopg.rows import DictRow
+
+from agent_dispatch.db import sql
+from agent_dispatch.errors import InvalidRequest, InvalidTransition, NotFound
+from agent_dispatch.models import OutcomeRecord, WorkItem, WorkState
+from agent_dispatch.store import SeqEvent, TenantBacklog, bound_error
+from agent_dispatch.stores._common import ITEM_SELECT, OUTCOME_SELECT, make_item, require_dt
+from agent_dispatch.stores.postgres._base import Conn, PostgresBase
+from agent_dispatch.stores.postgres.statements import NOW, event_sql
+
+_SQL: Final = sql.load(__package__ or "agent_dispatch.stores.postgres", "sql/inspect.sql")
+_FIELDS: Final = {
+    "now": NOW,
+    "item": ITEM_SELECT,
+    "return_item": ITEM_SELECT + ", has_dependents",
+    "outcome_cols": OUTCOME_SELECT,
+    "event": event_sql("'retry_dead_letter'", detail="%(reason)s"),
+}
+
+
+def _render(name: str, **fields: str) -> str:
+    return _SQL[name].format(**_FIELDS, **fields)
+
+
+BROWSE_AFTER: Final = _render("browse_after")
+DEPENDENTS: Final = _render("dependents")
+BACKLOG: Final = _render("backlog")
+HELD: Final = _render("held")
+EVENTS_AFTER: Final = _render("events_after")
+NEWEST_EVENT: Final = _render("newest_event")
+RETRY_DEAD_LETTER: Final = _render("retry_dead_letter")
+
+
+def _event(rec: DictRow) -> SeqEvent:
+    record = OutcomeRecord(
+        work_item_id=rec["work_item_id"],
+        tenant=rec["tenant"],
+        event=rec["event"],
+        owner=rec["owner"],
+        lease_epoch=int(rec["lease_epoch"]),
+        fencing_token=int(rec["fencing_token"]),
+        at=require_dt(rec["at"]),
+        outcome=rec["outcome"],
+        detail=rec["detail"],
+    )
+    return SeqEvent(int(rec["seq"]), record)
+
+
+class Inspecting(PostgresBase):
+    """``agent_dispatch.store.Inspectable`` for the PostgreSQL store."""
+
+    def browse(
+        self,
+        *,
+        tenant: str | None,
+        states: Sequence[WorkState] = (),
+        kind: str | None = None,
+        session_id: str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> list[WorkItem]:
+        if limit < 1:
+            raise InvalidRequest("limit must be at least 1")
+        where = ["true"]
+        params: dict[str, Any] = {"tenant": tenant, "limit": limit, "after": after}
+        for column, value in (("tenant", tenant), ("kind", kind), ("session_id", session_id)):
+            if value is not None:
+                where.append(f"{column} = %({column})s")
+                params[column] = value
+        if states:
+            where.append("state = ANY(%(states)s)")
+            params["states"] = [WorkState(s).value for s in states]
+        if after is not None:
+            where.append(BROWSE_AFTER)
+        statement = _render("browse", where=" AND ".join(where))
+        rows = self._run(lambda c: c.execute(statement, params).fetchall(), transaction=False)
+        return [make_item(rec) for rec in rows]
+
+    def dependents(self, work_item_id: str) -> list[str]:
+        rows = self._run(lambda c: c.execute(DEPENDENTS, {"id": work_item_id}).fetchall(), transaction=False)
+        return [str(rec["dependent"]) for rec in rows]
+
+    def backlog(self, *, limit: int = 1000) -> list[TenantBacklog]:
+        rows = self._run(lambda c: c.execute(BACKLOG, {"limit": limit}).fetchall(), transaction=False)
+        return [
+            TenantBacklog(
+                rec["tenant"],
+                int(rec["queued"]),
+                int(rec["running"]),
+                None if rec["oldest"] is None else require_dt(rec["oldest"]),
+            )
+            for rec in rows
+        ]
+
+    def held_leases(self, *, limit: int = 200) -> list[WorkItem]:
+        rows = self._run(lambda c: c.execute(HELD, {"limit": limit}).fetchall(), transaction=False)
+        return [make_item(rec) for rec in rows]
+
+    def events_after(self, seq: int, *, limit: int = 10000) -> list[SeqEvent]:
+        if seq < 0:
+            rows = self._run(lambda c: c.execute(NEWEST_EVENT).fetchall(), transaction=False)
+        else:
+            params = {"seq": seq, "limit": limit}
+            rows = self._run(lambda c: c.execute(EVENTS_AFTER, params).fetchall(), transaction=False)
+        return [_event(rec) for rec in rows]
+
+    def retry_dead_letter(self, work_item_id: str, *, tenant: str | None, reason: str) -> WorkItem:
+        params = self._p(id=work_item_id, tenant=tenant, reason=bound_error(reason))
+
+        def run(conn: Conn) -> WorkItem:
+            rec = self._one(conn, RETRY_DEAD_LETTER, params)
+            if rec is None:
+                view = self._view(conn, work_item_id)
+                if view is None or (tenant is not None and view.tenant != tenant):
+                    raise NotFound(f"work item {work_item_id} not found")
+                raise InvalidTransition(f"work item {work_item_id} is {view.state.value}, not dead_letter")
+            return make_item(rec)
+
+        return self._run(run)

@@ -1,0 +1,130 @@
+"""The ``Inspectable`` contract (the web UI's reads and the dead-letter retry), on every store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent_dispatch.errors import InvalidTransition, LeaseLost, NotFound
+from agent_dispatch.models import Outcome, SubmitRequest, WorkItem, WorkState
+from agent_dispatch.store import Inspectable, WorkItemStore
+from tests.contract._store_harness import (  # noqa: F401 (store_postgres_dsn is a fixture)
+    BACKENDS,
+    Harness,
+    open_harness,
+    store_postgres_dsn,
+)
+
+TTL = 60.0
+
+
+@pytest.fixture(params=BACKENDS)
+def h(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
+    with open_harness(request.param, request, tmp_path) as harness:
+        yield harness
+
+
+def insp(h: Harness) -> Inspectable:
+    assert isinstance(h.store, Inspectable)
+    return h.store
+
+
+def submit(store: WorkItemStore, tenant: str = "t1", **kw: object) -> WorkItem:
+    request = SubmitRequest(tenant=tenant, kind=str(kw.pop("kind", "turn")), payload=b"{}", **kw)  # type: ignore[arg-type]
+    return store.submit(request).item
+
+
+def dead_lettered(h: Harness, tenant: str = "t1") -> tuple[WorkItem, object]:
+    """An item whose one attempt failed: dead-lettered, with the lease that failed it."""
+    item = submit(h.store, tenant, max_attempts=1)
+    lease = h.store.claim("w1", work_item_id=item.id)
+    assert lease is not None
+    assert h.store.retry(lease, error="boom").state is WorkState.DEAD_LETTER
+    return item, lease
+
+
+def test_retry_dead_letter_makes_it_ready_with_one_more_attempt_and_a_fresh_fence(h: Harness) -> None:
+    s, i = h.store, insp(h)
+    item, old = dead_lettered(h)
+    back = i.retry_dead_letter(item.id, tenant="t1", reason="retried from the UI")
+    assert back.state is WorkState.READY
+    assert (back.attempt, back.max_attempts) == (1, 2)
+    assert back.outcome is None and back.error is None and back.lease_owner is None
+    assert [r.event for r in s.outcomes(item.id)][-1] == "retry_dead_letter"
+    assert s.outcomes(item.id)[-1].detail == "retried from the UI"
+    # The dead lease stays dead: no fenced call of it is accepted any more.
+    with pytest.raises(LeaseLost):
+        s.commit(old, Outcome.SUCCEEDED)  # type: ignore[arg-type]
+    # It is ready with the recovery sweep's attention, so it is never left undelivered.
+    assert item.id in {r.id for r in s.recoverable(stale_after_s=0.0)}
+    lease = s.claim("w2", work_item_id=item.id)
+    assert lease is not None
+    assert lease.lease_epoch > old.lease_epoch and lease.fencing_token > old.fencing_token  # type: ignore[attr-defined]
+    assert lease.attempt == 2
+    assert s.commit(lease, Outcome.SUCCEEDED).item.state is WorkState.SUCCEEDED
+
+
+def test_retry_dead_letter_is_scoped_to_the_tenant_and_only_from_dead_letter(h: Harness) -> None:
+    s, i = h.store, insp(h)
+    item, _ = dead_lettered(h)
+    with pytest.raises(NotFound):
+        i.retry_dead_letter(item.id, tenant="t2", reason="x")
+    with pytest.raises(NotFound):
+        i.retry_dead_letter("no-such-item", tenant=None, reason="x")
+    assert s.get(item.id).state is WorkState.DEAD_LETTER
+    assert i.retry_dead_letter(item.id, tenant=None, reason="admin").state is WorkState.READY
+    with pytest.raises(InvalidTransition):
+        i.retry_dead_letter(item.id, tenant="t1", reason="again")  # ready now, not dead_letter
+    done = submit(s)
+    lease = s.claim("w", work_item_id=done.id)
+    assert lease is not None
+    s.commit(lease, Outcome.SUCCEEDED)
+    with pytest.raises(InvalidTransition):
+        i.retry_dead_letter(done.id, tenant="t1", reason="x")
+
+
+def test_browse_filters_pages_and_scopes_by_tenant(h: Harness) -> None:
+    s, i = h.store, insp(h)
+    a = [submit(s, "t1", kind="alpha", session_id="s1") for _ in range(3)]
+    b = submit(s, "t1", kind="beta", session_id="s2")
+    other = submit(s, "t2", kind="alpha")
+    assert [x.id for x in i.browse(tenant="t1")] == [b.id, *reversed([x.id for x in a])]
+    assert [x.id for x in i.browse(tenant="t1", kind="alpha")] == [x.id for x in reversed(a)]
+    assert [x.id for x in i.browse(tenant="t1", session_id="s2")] == [b.id]
+    assert [x.id for x in i.browse(tenant=None, kind="alpha", limit=2)] == [other.id, a[2].id]
+    page = i.browse(tenant="t1", limit=2)
+    rest = i.browse(tenant="t1", limit=2, after=page[-1].id)
+    assert [x.id for x in page + rest] == [x.id for x in i.browse(tenant="t1")]
+    assert i.browse(tenant="t1", after=other.id) == []  # another tenant's id as a cursor: nothing
+    lease = s.claim("w", work_item_id=b.id)
+    assert lease is not None
+    assert [x.id for x in i.browse(tenant="t1", states=[WorkState.LEASED])] == [b.id]
+
+
+def test_dependents_backlog_held_leases_and_events(h: Harness) -> None:
+    s, i = h.store, insp(h)
+    start = i.events_after(-1)
+    first = start[0].seq if start else 0
+    parent = submit(s, "t1")
+    child = submit(s, "t1", depends_on=(parent.id,))
+    submit(s, "t2")
+    assert i.dependents(parent.id) == [child.id]
+    assert i.dependents(child.id) == []
+    lease = s.claim("w9", work_item_id=parent.id)
+    assert lease is not None
+    backlog = {b.tenant: b for b in i.backlog()}
+    assert (backlog["t1"].queued, backlog["t1"].running) == (1, 1)  # the child waits, the parent runs
+    assert (backlog["t2"].queued, backlog["t2"].running) == (1, 0)
+    assert backlog["t2"].oldest_waiting is not None
+    held = i.held_leases()
+    assert [(x.id, x.lease_owner) for x in held] == [(parent.id, "w9")]
+    seen = i.events_after(first)
+    assert [e.record.event for e in seen] == ["submit", "submit", "submit", "claim"]
+    assert [e.seq for e in seen] == sorted(e.seq for e in seen)
+    assert i.events_after(seen[1].seq, limit=1)[0].seq == seen[2].seq
+    assert i.events_after(-1)[0].seq == seen[-1].seq
+    s.commit(lease, Outcome.SUCCEEDED)
+    assert {b.tenant: b.queued for b in i.backlog()}["t1"] == 1  # the child is ready now
+    assert i.held_leases() == []
