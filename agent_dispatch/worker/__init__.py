@@ -6,7 +6,6 @@ import logging
 import signal
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -37,56 +36,46 @@ WorkerStartupError = StartupError
 
 
 class SessionLockConnections:
-    """Dedicated autocommit connections for session advisory locks, pooled (psycopg_pool) across turns.
+    # Written by hand, not psycopg_pool: under the chaos suite a pooled version stalled claim loops
+    # (a worker paused past its TTL, or the database restarted, and getconn() waited out the pool's
+    # reconnect backoff with turns in flight); here a broken connection fails at once and is
+    # replaced by the next connect(), which the session guard's retry already expects.
+    """Dedicated autocommit connections for session advisory locks, reused across turns.
 
     Opening a connection per turn (a server process, authentication) cost more than all the
-    other round trips of a no-op turn together. ``connect()`` lends a pooled connection; the lent
-    connection's ``close()`` gives it back. One whose statement failed is closed instead (its
-    explicit unlock may not have run, and closing the session releases its advisory locks); one
-    idle for half the lock's ``idle_session_timeout`` is discarded rather than lent (the server
-    may end it at the full timeout). The pool opens on first use: no connection until a turn
-    needs a session lock. ``max_size`` bounds connections open at once: one per claim loop.
+    other round trips of a no-op turn together. ``connect()`` lends an idle connection (or opens
+    one); the lent connection's ``close()`` gives it back. A connection goes back only if every
+    statement on it succeeded (so the session's explicit unlock ran: it holds no advisory lock),
+    and one idle for half the lock's ``idle_session_timeout`` is discarded rather than reused
+    (the server may end it at the full timeout). At most ``keep`` idle connections are kept.
     """
 
-    def __init__(self, uri: str, *, idle_timeout_s: float, max_size: int = 64) -> None:
-        from psycopg_pool import ConnectionPool
-
+    def __init__(self, uri: str, *, idle_timeout_s: float, keep: int = 16) -> None:
+        self._uri = uri
         self._max_idle_s = idle_timeout_s / 2
-        self._returned_at: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
-        self._pool: ConnectionPool[Any] = ConnectionPool(
-            uri,
-            min_size=0,
-            max_size=max_size,
-            kwargs={"autocommit": True},
-            open=False,
-            check=self._check,
-            max_idle=self._max_idle_s,
-            name="agent-dispatch-session-locks",
-        )
-        self._opened = False
+        self._keep = keep
+        self._idle: list[tuple[float, Any]] = []
         self._lock = threading.Lock()
 
-    def _check(self, conn: Any) -> None:
-        """Refuse (the pool then discards) a connection the server may already have ended."""
-        if time.monotonic() - self._returned_at.get(conn, time.monotonic()) >= self._max_idle_s:
-            raise TimeoutError("idle for too long")
-
     def connect(self) -> _LentConnection:
-        if not self._opened:
-            with self._lock:
-                if not self._opened:
-                    self._pool.open(wait=False)
-                    self._opened = True
-        return _LentConnection(self, self._pool.getconn())
+        now = time.monotonic()
+        with self._lock:
+            while self._idle:
+                returned_at, conn = self._idle.pop()
+                if now - returned_at < self._max_idle_s and not conn.closed:
+                    return _LentConnection(self, conn)
+                conn.close()
+        import psycopg
+
+        return _LentConnection(self, psycopg.connect(self._uri, autocommit=True))
 
     def _give_back(self, conn: Any, healthy: bool) -> None:
-        if not healthy:
-            conn.close()  # the pool discards a closed connection
-        self._returned_at[conn] = time.monotonic()
-        self._pool.putconn(conn)
-
-    def close(self) -> None:
-        self._pool.close()
+        if healthy and not conn.closed:
+            with self._lock:
+                if len(self._idle) < self._keep:
+                    self._idle.append((time.monotonic(), conn))
+                    return
+        conn.close()
 
 
 class _LentConnection:
@@ -129,9 +118,7 @@ def build_worker(
     session_connect: Callable[[], Any] | None = None
     if settings.state_db_uri is not None:
         session_connect = SessionLockConnections(
-            settings.state_db_uri.get_secret_value(),
-            idle_timeout_s=settings.claim_ttl_s,
-            max_size=2 * (concurrency or settings.concurrency),
+            settings.state_db_uri.get_secret_value(), idle_timeout_s=settings.claim_ttl_s
         ).connect
 
     def redrive() -> int:
@@ -183,7 +170,6 @@ def run_worker(settings: Settings, *, concurrency: int | None = None) -> int:
                 worker.worker_id,
                 duration_s=int(settings.claim_ttl_s),
                 interval_s=settings.effective_renew_interval_s,
-                pod_uid=settings.pod_uid,
             )
             heartbeat.start()
     worker.start()
