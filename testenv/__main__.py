@@ -24,6 +24,7 @@ INSTALLERS = {
     "keda": ("testenv.keda", "ensure_keda"),
     "node": ("testenv.node", "ensure_node_built"),
     "image": ("testenv.image", "build_images"),
+    "browser": ("testenv.browser", "ensure_browser"),
 }
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 DEMO_TIMEOUT_S = 60.0
 LOCAL_TENANT = "local"
+#: The web UI administrator `up` makes (a fresh token each run, like the tenant's).
+LOCAL_ADMIN = "admin"
 
 
 def register(sub: Any) -> None:
@@ -57,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from agent_dispatch.gateway import (
         Components,
         GatewayServer,
+        Principal,
         TokenRegistry,
         TokensFileError,
         hash_token,
@@ -107,16 +110,20 @@ def run(args: argparse.Namespace) -> int:
     data_dir = settings.data_dir
     tokens_path = settings.tokens_file or data_dir / "tokens.yaml"
     settings = settings.model_copy(update={"tokens_file": tokens_path})
-    # A fresh token for `local` each run (its plaintext is shown once); other tenants are kept.
+    # Fresh tokens for `local` and the web UI's `admin` each run (their plaintext is shown once);
+    # other tenants and administrators are kept.
     token = new_token()
+    admin_token = new_token()
     try:
         existing = load_tokens_file(tokens_path) if tokens_path.exists() else {}
     except TokensFileError as exc:
         sock.close()
         _fail(f"invalid setting AGENT_DISPATCH_TOKENS_FILE: {exc}")
         return EXIT_USAGE
-    tenants = {t: digests for t, digests in existing.items() if t != LOCAL_TENANT}
-    tenants[LOCAL_TENANT] = (bytes.fromhex(hash_token(token)),)
+    mine = {Principal(LOCAL_TENANT), Principal(LOCAL_ADMIN, admin=True)}
+    principals = {p: digests for p, digests in existing.items() if p not in mine}
+    principals[Principal(LOCAL_TENANT)] = (bytes.fromhex(hash_token(token)),)
+    principals[Principal(LOCAL_ADMIN, admin=True)] = (bytes.fromhex(hash_token(admin_token)),)
 
     data_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -133,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         runtime.close()
         _fail(str(exc))
         return exc.exit_code
-    tokens = TokenRegistry(tenants, path=tokens_path)
+    tokens = TokenRegistry(principals, path=tokens_path)
     components = Components(runtime, tokens)
     server = GatewayServer(components, host=host, port=port, sock=sock)
     try:
@@ -142,12 +149,21 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         runtime.close()
         raise
-    write_tokens_file(tokens_path, {t: [d.hex() for d in digests] for t, digests in tenants.items()})
+    write_tokens_file(
+        tokens_path,
+        {p.name: [d.hex() for d in digests] for p, digests in principals.items() if not p.admin},
+        admins={p.name: [d.hex() for d in digests] for p, digests in principals.items() if p.admin},
+    )
     worker.start()
 
     code = EXIT_OK
     try:
         _banner(server.url, token, data_dir, worker.concurrency)
+        _say(f"  web UI:  {server.url}/ui/")
+        _say(
+            f"           sign in with the token above (tenant 'local'), or as '{LOCAL_ADMIN}' (every tenant):"
+        )
+        _say(f"  admin:   {admin_token}")
         if not args.no_demo and not _demo(server.url, token):
             code = EXIT_FAILURE
         _say("Serving. Press Ctrl-C to stop.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from agent_dispatch.gateway._app import GATEWAY, ApiError, Gateway, create_app, job_handle
 from agent_dispatch.gateway._auth import (
+    Principal,
     TokenRegistry,
     TokensFileError,
     hash_token,
@@ -27,6 +28,7 @@ __all__ = [
     "Gateway",
     "GatewayServer",
     "GatewayStartupError",
+    "Principal",
     "TokenRegistry",
     "TokensFileError",
     "TurnBody",

@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from agent_dispatch.gateway import _metrics as m
+from agent_dispatch.gateway import ui
 from agent_dispatch.gateway._auth import TokenRegistry
 from agent_dispatch.gateway._models import JobHandle
 from agent_dispatch.gateway._openapi import openapi_document
@@ -252,6 +253,7 @@ def create_app(runtime: Runtime, tokens: TokenRegistry) -> web.Application:
     app.router.add_get("/readyz", gateway.readyz)
     app.router.add_get("/metrics", gateway.metrics)
     app.router.add_get("/openapi.json", gateway.openapi)
+    ui.install(app, gateway)
 
     async def _shutdown(app: web.Application) -> None:
         gateway.pool.shutdown(wait=True, cancel_futures=True)

@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -29,6 +30,19 @@ TENANT_PATTERN: Final = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 _HEX64: Final = re.compile(r"^[0-9a-f]{64}$")
 #: How often the file's identity is checked for a change (a stat, not a read).
 RELOAD_CHECK_S: Final = 2.0
+
+
+#: The ``role`` of an administrator's entry (a tenant's entry has no role, or ``role: tenant``).
+ADMIN: Final = "admin"
+ROLES: Final = ("tenant", ADMIN)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a token belongs to: a tenant, or an administrator (``admin``) who sees every tenant."""
+
+    name: str
+    admin: bool = False
 
 
 class TokensFileError(ValueError):
@@ -45,20 +59,31 @@ def new_token() -> str:
 
 
 def parse_tokens(document: Any) -> dict[str, tuple[bytes, ...]]:
-    """Tenant -> token hashes (raw digests), from a parsed YAML/JSON document."""
+    """Tenant -> token hashes (raw digests), from a parsed YAML/JSON document (admins left out)."""
+    return {p.name: digests for p, digests in parse_principals(document).items() if not p.admin}
+
+
+def parse_principals(document: Any) -> dict[Principal, tuple[bytes, ...]]:
+    """Tenants and administrators -> token hashes (raw digests), from a parsed YAML/JSON document."""
     if document is None:
         return {}
     if not isinstance(document, Mapping):
         raise TokensFileError("tokens file must map each tenant to a sha256 hex or {token_sha256: ...}")
-    tenants: dict[str, tuple[bytes, ...]] = {}
+    tenants: dict[Principal, tuple[bytes, ...]] = {}
     for tenant, entry in document.items():
         if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
             raise TokensFileError(f"tenant {str(tenant)[:40]!r} is not 1-200 of letters, digits and ._:@/+=-")
         value = entry
+        role = "tenant"
         if isinstance(entry, Mapping):
-            if set(entry) != {"token_sha256"}:
-                raise TokensFileError(f"tenant {tenant!r}: expected exactly the key token_sha256")
+            if "token_sha256" not in entry or not set(entry) <= {"token_sha256", "role"}:
+                raise TokensFileError(
+                    f"tenant {tenant!r}: expected exactly the key token_sha256 (and optionally role: admin)"
+                )
             value = entry["token_sha256"]
+            role = entry.get("role", "tenant")
+            if role not in ROLES:
+                raise TokensFileError(f"tenant {tenant!r}: role must be one of {', '.join(ROLES)}")
         hashes = [value] if isinstance(value, str) else value
         if not isinstance(hashes, list) or not hashes:
             raise TokensFileError(f"tenant {tenant!r}: expected a sha256 hex or a list of them")
@@ -69,11 +94,11 @@ def parse_tokens(document: Any) -> dict[str, tuple[bytes, ...]]:
                 # Never echo the value: someone may have pasted a plaintext token by mistake.
                 raise TokensFileError(f"tenant {tenant!r}: a token hash is not 64 hex characters (sha256)")
             digests.append(bytes.fromhex(text))
-        tenants[tenant] = tuple(digests)
+        tenants[Principal(tenant, admin=role == ADMIN)] = tuple(digests)
     return tenants
 
 
-def load_tokens_file(path: Path) -> dict[str, tuple[bytes, ...]]:
+def load_tokens_file(path: Path) -> dict[Principal, tuple[bytes, ...]]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -82,17 +107,23 @@ def load_tokens_file(path: Path) -> dict[str, tuple[bytes, ...]]:
         document = yaml.safe_load(text)
     except yaml.YAMLError:
         raise TokensFileError("tokens file is not valid YAML or JSON") from None
-    return parse_tokens(document)
+    return parse_principals(document)
 
 
-def write_tokens_file(path: Path, tenants: Mapping[str, Sequence[str]]) -> None:
-    """Write tenant -> sha256 hex digests atomically, readable by the owner only."""
+def write_tokens_file(
+    path: Path, tenants: Mapping[str, Sequence[str]], *, admins: Mapping[str, Sequence[str]] | None = None
+) -> None:
+    """Write tenant (and admin) -> sha256 hex digests atomically, readable by the owner only."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as out:
         out.write("# tenant: sha256 hex of its bearer token (the plaintext is never stored)\n")
-        document = {t: {"token_sha256": h[0] if len(h) == 1 else list(h)} for t, h in tenants.items()}
+        document: dict[str, dict[str, Any]] = {
+            t: {"token_sha256": h[0] if len(h) == 1 else list(h)} for t, h in tenants.items()
+        }
+        for name, hashes in (admins or {}).items():
+            document[name] = {"token_sha256": hashes[0] if len(hashes) == 1 else list(hashes), "role": ADMIN}
         yaml.safe_dump(document, out, sort_keys=True)
     tmp.replace(path)
 
@@ -100,7 +131,12 @@ def write_tokens_file(path: Path, tenants: Mapping[str, Sequence[str]]) -> None:
 class TokenRegistry:
     """Resolves a presented bearer token to its tenant, in time independent of which one matches."""
 
-    def __init__(self, tenants: Mapping[str, tuple[bytes, ...]], *, path: Path | None = None) -> None:
+    def __init__(
+        self,
+        tenants: Mapping[str, tuple[bytes, ...]] | Mapping[Principal, tuple[bytes, ...]],
+        *,
+        path: Path | None = None,
+    ) -> None:
         self._entries = self._flatten(tenants)
         self._path = path
         self._identity = self._stat() if path is not None else None
@@ -112,27 +148,48 @@ class TokenRegistry:
         return cls(load_tokens_file(path), path=path)
 
     @classmethod
-    def from_plaintext(cls, tokens: Mapping[str, str]) -> TokenRegistry:
-        """For tests and embedding: tenant -> plaintext token (hashed immediately)."""
-        return cls({t: (hashlib.sha256(tok.encode()).digest(),) for t, tok in tokens.items()})
+    def from_plaintext(
+        cls, tokens: Mapping[str, str], *, admins: Mapping[str, str] | None = None
+    ) -> TokenRegistry:
+        """For tests and embedding: tenant (and admin) -> plaintext token (hashed immediately)."""
+        entries = {Principal(t): (hashlib.sha256(tok.encode()).digest(),) for t, tok in tokens.items()}
+        for name, tok in (admins or {}).items():
+            entries[Principal(name, admin=True)] = (hashlib.sha256(tok.encode()).digest(),)
+        return cls(entries)
 
     @staticmethod
-    def _flatten(tenants: Mapping[str, tuple[bytes, ...]]) -> list[tuple[str, bytes]]:
-        return [(tenant, digest) for tenant, digests in tenants.items() for digest in digests]
+    def _flatten(
+        tenants: Mapping[str, tuple[bytes, ...]] | Mapping[Principal, tuple[bytes, ...]],
+    ) -> list[tuple[Principal, bytes]]:
+        return [
+            (who if isinstance(who, Principal) else Principal(who), digest)
+            for who, digests in tenants.items()
+            for digest in digests
+        ]
 
     @property
     def tenants(self) -> set[str]:
-        return {tenant for tenant, _ in self._entries}
+        return {p.name for p, _ in self._entries if not p.admin}
 
     def authenticate(self, token: str) -> str | None:
+        """The tenant a token belongs to; ``None`` for an unknown token or an administrator's."""
+        principal = self.identify(token)
+        return None if principal is None or principal.admin else principal.name
+
+    def identify(self, token: str) -> Principal | None:
+        """Whoever holds ``token``: a tenant or an administrator."""
+        return self.identify_digest(hashlib.sha256(token.encode()).digest())
+
+    def identify_digest(self, presented: bytes) -> Principal | None:
+        """Whoever holds the token with this sha256 digest (a UI session keeps the digest, not the token,
+        so a token removed from the file ends its sessions too)."""
         self._maybe_reload()
-        presented = hashlib.sha256(token.encode()).digest()
-        found: str | None = None
+        found: Principal | None = None
         # Compare against every entry, without stopping early, so timing does not reveal which
         # entry (or whether any) matched; hashing first makes the comparison length-independent.
-        for tenant, digest in self._entries:
+        for principal, digest in self._entries:
             if hmac.compare_digest(presented, digest):
-                found = tenant
+                found = principal
         return found
 
     def _stat(self) -> tuple[int, int, int] | None:
@@ -159,4 +216,4 @@ class TokenRegistry:
                 return
             self._entries = entries
             self._identity = identity
-            log.info("tokens file reloaded", extra={"tenants": len({t for t, _ in entries})})
+            log.info("tokens file reloaded", extra={"tenants": len({p for p, _ in entries})})

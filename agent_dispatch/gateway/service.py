@@ -222,7 +222,7 @@ class JobService:
             raise ServiceError(413, "payload_too_large", str(exc), field=f"{prefix}payload") from None
         return payload
 
-    def _call(self, fn: Callable[[], Any], *, missing: ServiceError | None = None) -> Any:
+    def call(self, fn: Callable[[], Any], *, missing: ServiceError | None = None) -> Any:
         """``fn()`` with its errors mapped; ``missing`` is the answer to a ``NotFound``."""
         try:
             return fn()
@@ -248,7 +248,7 @@ class JobService:
         except ValidationError as exc:
             raise validation_error(exc) from None
         request = turn.to_request(tenant, key, datetime.now(UTC), self._payload(turn))
-        result: SubmitResult = self._call(lambda: self._admission().enqueue(request))
+        result: SubmitResult = self.call(lambda: self._admission().enqueue(request))
         return JobHandle.of(result.item, created=result.created)
 
     def submit_batch(self, tenant: str, body: bytes, *, idempotency_key: str | None = None) -> BatchResult:
@@ -277,7 +277,7 @@ class JobService:
             except ServiceError as exc:
                 results[index] = _refused(index, exc)
         if valid:
-            outcomes = self._call(lambda: self._admission().enqueue_many([req for _, req in valid]))
+            outcomes = self.call(lambda: self._admission().enqueue_many([req for _, req in valid]))
             for (index, _), outcome in zip(valid, outcomes, strict=True):
                 if isinstance(outcome, SubmitResult):
                     handle = JobHandle.of(outcome.item, created=outcome.created)
@@ -303,7 +303,7 @@ class JobService:
         if not _REF.match(job_id):
             # Not an id this service could have issued: indistinguishable from another tenant's job.
             raise not_found()
-        view = self._call(
+        view = self.call(
             lambda: jobs.graph_jobs(self.store, action=action, job_id=job_id, tenant=tenant),
             missing=not_found(),
         )
@@ -318,15 +318,15 @@ class JobService:
         after: str | None = None,
     ) -> JobList:
         """A page of the tenant's jobs, newest first; ``states`` may be comma-separated lists."""
-        wanted = _parse_states(states)
-        page_size = _parse_limit(limit)
+        wanted = parse_states(states)
+        page_size = parse_limit(limit)
         after = after or None
         bad_after = ServiceError(
             422, "invalid_field", "after: not a job id from a previous page", field="after"
         )
         if after is not None and not _REF.match(after):
             raise bad_after
-        items = self._call(
+        items = self.call(
             lambda: self.store.list_items(tenant=tenant, states=wanted, limit=page_size + 1, after=after),
             missing=bad_after,
         )
@@ -337,11 +337,16 @@ class JobService:
         )
 
 
+def is_job_id(text: str) -> bool:
+    """Whether ``text`` has the shape of an id this service issues (anything else is simply 404)."""
+    return bool(_REF.match(text))
+
+
 def _refused(index: int, error: ServiceError) -> BatchItemResult:
     return BatchItemResult.model_validate({"index": index, "status": error.status, **error.body()})
 
 
-def _parse_states(raw: Sequence[str]) -> list[WorkState]:
+def parse_states(raw: Sequence[str]) -> list[WorkState]:
     states: list[WorkState] = []
     for text in raw:
         for name in filter(None, (part.strip() for part in text.split(","))):
@@ -356,7 +361,7 @@ def _parse_states(raw: Sequence[str]) -> list[WorkState]:
     return states
 
 
-def _parse_limit(raw: int | str | None) -> int:
+def parse_limit(raw: int | str | None) -> int:
     if raw is None:
         return DEFAULT_PAGE
     text = str(raw)

@@ -1,0 +1,236 @@
+"""What the web UI shows and does, on the gateway's service layer (beside :class:`JobService`).
+
+A :class:`Scope` is who is looking: a tenant sees only its own jobs (another tenant's job is
+``404``, as in the API), an administrator sees every tenant. Every read is bounded: the overview
+reads the transport's depth counter, the lease-expiry index (``held_leases``) and the sampler's
+history, never the whole table. The calls block; the gateway runs them on its thread pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from agent_dispatch.dispatch import build_turn
+from agent_dispatch.errors import DispatchError, InvalidTransition, NotFound
+from agent_dispatch.gateway._sampler import COUNTED, Sampler
+from agent_dispatch.gateway.service import (
+    JobService,
+    ServiceError,
+    is_job_id,
+    not_found,
+    parse_limit,
+    parse_states,
+)
+from agent_dispatch.jobs import project
+from agent_dispatch.models import OutcomeRecord, WorkItem
+from agent_dispatch.store import Inspectable
+from agent_dispatch.transport import Transport
+
+#: Leases listed on the overview (soonest expiry first); the count beside it says if there are more.
+LEASES_SHOWN: Final = 100
+TENANTS_SHOWN: Final = 1000
+RETRY_REASON: Final = "retried from the web UI"
+CANCEL_REASON: Final = "cancelled from the web UI"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Who is looking: ``name`` is the tenant, or the administrator's name when ``admin``."""
+
+    name: str
+    admin: bool = False
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant every read is limited to; ``None`` for an administrator."""
+        return None if self.admin else self.name
+
+
+def _iso(value: Any) -> str | None:
+    return None if value is None else str(value.isoformat())
+
+
+def timeline(records: list[OutcomeRecord]) -> list[dict[str, Any]]:
+    """The outcome records grouped into attempts: one per lease epoch (epoch 0: before any claim)."""
+    attempts: dict[int, dict[str, Any]] = {}
+    for r in records:
+        entry = attempts.setdefault(
+            r.lease_epoch,
+            {
+                "lease_epoch": r.lease_epoch,
+                "fencing_token": r.fencing_token,
+                "owner": r.owner,
+                "started_at": _iso(r.at),
+                "ended_at": None,
+                "outcome": None,
+                "error": None,
+                "events": [],
+            },
+        )
+        entry["events"].append(
+            {"event": r.event, "at": _iso(r.at), "owner": r.owner, "outcome": r.outcome, "detail": r.detail}
+        )
+        entry["owner"] = entry["owner"] or r.owner
+        if r.event in {"commit", "retry", "dead_letter", "cancel", "expire", "defer"}:
+            entry["ended_at"] = _iso(r.at)
+            entry["outcome"] = r.outcome or r.event
+            entry["error"] = r.detail
+    return [attempts[k] for k in sorted(attempts)]
+
+
+class InsightService:
+    """The web UI's reads and actions over the runtime's store and transport."""
+
+    def __init__(
+        self,
+        jobs: JobService,
+        transport: Callable[[], Transport],
+        signing_key: bytes,
+        sampler: Sampler | None = None,
+    ) -> None:
+        store = jobs.store
+        if not isinstance(store, Inspectable):
+            raise TypeError(f"{type(store).__name__} does not implement Inspectable")
+        self.jobs = jobs
+        self.store: Inspectable = store
+        self._transport = transport
+        self._signing_key = signing_key
+        self.sampler = sampler or Sampler(store, lambda: transport().depth())
+
+    # --- reads -----------------------------------------------------------------------------------
+
+    def overview(self, scope: Scope) -> dict[str, Any]:
+        history = self.sampler.history()
+        depth = history[-1].depth if history else None
+        leases = [item for item in self.store.held_leases(limit=LEASES_SHOWN) if self._sees(scope, item)]
+        workers: dict[str, list[dict[str, Any]]] = {}
+        for item in leases:
+            owner = item.lease_owner or "?"
+            # A worker thread's owner is "<worker id>/<thread>": group the leases by worker.
+            workers.setdefault(owner.rsplit("/", 1)[0], []).append(
+                {
+                    "job_id": item.id,
+                    "tenant": item.tenant,
+                    "owner": owner,
+                    "state": item.state.value,
+                    "lease_epoch": item.lease_epoch,
+                    "fencing_token": item.fencing_token,
+                    "expires_at": _iso(item.lease_expires_at),
+                }
+            )
+        return {
+            "depth": depth,
+            "max_depth": self.jobs.settings.max_depth,
+            "rates_per_min": self.sampler.rates_per_min(),
+            "totals": dict(self.sampler.totals),
+            "since": self.sampler.started,
+            "history": [{"at": s.at, "depth": s.depth, **{k: s.counts[k] for k in COUNTED}} for s in history],
+            "workers": [{"worker": w, "leases": ls} for w, ls in sorted(workers.items())],
+            "leases_shown": len(leases),
+            "scope": {"name": scope.name, "admin": scope.admin},
+        }
+
+    def tenants(self, scope: Scope) -> list[dict[str, Any]]:
+        backlog = {b.tenant: b for b in self.store.backlog(limit=TENANTS_SHOWN)}
+        names = set(backlog) | set(self.sampler.tenants)
+        if not scope.admin:
+            names &= {scope.name}
+            names.add(scope.name)
+        rows: list[dict[str, Any]] = []
+        for name in names:
+            b = backlog.get(name)
+            act = self.sampler.tenants.get(name)
+            rows.append(
+                {
+                    "tenant": name,
+                    "queued": b.queued if b else 0,
+                    "running": b.running if b else 0,
+                    "done": act.done if act else 0,
+                    "oldest_waiting": _iso(b.oldest_waiting) if b else None,
+                    "last_served": _iso(act.last_served) if act else None,
+                }
+            )
+        rows.sort(key=lambda r: (-r["queued"], r["tenant"]))
+        return rows
+
+    def list(
+        self,
+        scope: Scope,
+        *,
+        state: str = "",
+        kind: str = "",
+        session: str = "",
+        tenant: str = "",
+        limit: int | str | None = None,
+        after: str = "",
+    ) -> dict[str, Any]:
+        states = parse_states([state] if state else [])
+        size = parse_limit(limit)
+        who = tenant or None if scope.admin else scope.name
+        items = self.jobs.call(
+            lambda: self.store.browse(
+                tenant=who,
+                states=states,
+                kind=kind or None,
+                session_id=session or None,
+                limit=size + 1,
+                after=after or None,
+            )
+        )
+        page = items[:size]
+        return {
+            "jobs": [project(item) for item in page],
+            "next_after": page[-1].id if len(items) > size else None,
+        }
+
+    def job(self, scope: Scope, job_id: str) -> dict[str, Any]:
+        item = self._item(scope, job_id)
+        view = project(item)
+        view["payload_size"] = item.payload_size
+        view["dependents"] = self.store.dependents(item.id)
+        view["timeline"] = timeline(self.jobs.store.outcomes(item.id))
+        view["can_cancel"] = not item.terminal
+        view["can_retry"] = item.state.value == "dead_letter"
+        return view
+
+    # --- actions ---------------------------------------------------------------------------------
+
+    def cancel(self, scope: Scope, job_id: str) -> dict[str, Any]:
+        item = self._item(scope, job_id)
+        self.jobs.cancel(item.tenant, item.id)
+        return self.job(scope, job_id)
+
+    def retry(self, scope: Scope, job_id: str) -> dict[str, Any]:
+        """Send a dead-lettered job back to ready and admit a delivery for it at once.
+
+        The delivery is admitted unbounded, like the recovery sweep's re-drive: the job was
+        accepted once already. If admitting fails, the job is still ready and never dispatched, so
+        the sweep re-drives it within the RTO.
+        """
+        item = self._item(scope, job_id)
+        try:
+            retried = self.store.retry_dead_letter(item.id, tenant=item.tenant, reason=RETRY_REASON)
+        except InvalidTransition as exc:
+            raise ServiceError(409, "invalid_transition", str(exc)) from None
+        try:
+            self._transport().admit([build_turn(retried, signing_key=self._signing_key)], bounded=False)
+            self.jobs.store.mark_dispatched([retried.id])
+        except DispatchError:
+            pass  # the sweep re-drives it (it is ready and was never dispatched)
+        return self.job(scope, job_id)
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _sees(scope: Scope, item: WorkItem) -> bool:
+        return scope.admin or item.tenant == scope.name
+
+    def _item(self, scope: Scope, job_id: str) -> WorkItem:
+        if not is_job_id(job_id):
+            raise not_found()
+        try:
+            return self.jobs.store.get(job_id, tenant=scope.tenant)
+        except NotFound:
+            raise not_found() from None
