@@ -90,3 +90,21 @@ def test_reloads_a_changed_file_and_keeps_the_last_good_one(
     broken.write_text("alpha: not-a-hash\n")
     broken.replace(path)
     assert registry.authenticate("second-token-001") == "alpha"  # the last good tokens stay
+
+
+def test_an_admin_entry_is_an_administrator_not_a_tenant(tmp_path: Path) -> None:
+    from agent_dispatch.gateway._auth import Principal
+
+    path = tmp_path / "tokens.yaml"
+    path.write_text(
+        f"team: {hashlib.sha256(b'tenant-token').hexdigest()}\n"
+        f"ops:\n  token_sha256: {hashlib.sha256(b'admin-token').hexdigest()}\n  role: admin\n"
+    )
+    registry = TokenRegistry.from_file(path)
+    assert registry.tenants == {"team"}
+    assert registry.authenticate("admin-token") is None  # the API never takes an admin as a tenant
+    assert registry.identify("admin-token") == Principal("ops", admin=True)
+    assert registry.identify("tenant-token") == Principal("team")
+    path.write_text(f"ops:\n  token_sha256: {'0' * 64}\n  role: root\n")
+    with pytest.raises(TokensFileError, match="role must be one of"):
+        TokenRegistry.from_file(path)
