@@ -18,7 +18,7 @@ from aiohttp import web
 
 from agent_dispatch import _logging
 from agent_dispatch.k8s_client import new_api_client
-from agent_dispatch.metrics_api import _api, _auth, _server
+from agent_dispatch.metrics_api import _api, _auth
 from agent_dispatch.runtime import EXIT_UNAVAILABLE
 from agent_dispatch.settings import load_or_exit
 
@@ -86,6 +86,11 @@ async def _reload_auth(
 
 
 async def serve(args: argparse.Namespace, api_client: Any, config: _auth.RequestHeaderConfig) -> None:
+    # Imported here, not at module level: the CLI imports this module to register the command,
+    # and _server's Prometheus metrics (the per-instance depth gauge among them) must not appear in
+    # every other process's registry (a worker would export the depth series again).
+    from agent_dispatch.metrics_api import _server
+
     context = _auth.server_context(args.tls_cert_file, args.tls_key_file, config.client_ca)
     holder = {"config": config}
     namespaces = None if args.all_namespaces or not args.namespace else frozenset(args.namespace)

@@ -170,6 +170,7 @@ def run_worker(settings: Settings, *, concurrency: int | None = None) -> int:
                 worker.worker_id,
                 duration_s=int(settings.claim_ttl_s),
                 interval_s=settings.effective_renew_interval_s,
+                pod_uid=settings.pod_uid,
             )
             heartbeat.start()
     worker.start()

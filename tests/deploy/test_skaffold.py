@@ -160,9 +160,13 @@ def test_skaffold_helm_values_render_the_chart(helm_bin: Path, tmp_path: Path, p
 
     config = _config() if profile is None else apply_profile(_config(), profile)
     docs = manifests(render(helm_bin, tmp_path / "helm", "agent-dispatch", *_helm_args(config)).stdout)
-    (deployment,) = by_kind(docs, "Deployment")
+    deployments = {d["metadata"]["name"]: d for d in by_kind(docs, "Deployment")}
+    # The operator, and the external-metrics API (metricsApi.enabled): both run the built image.
+    assert {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in deployments.values()} == {
+        "agent-dispatch:abc1234"
+    }
+    deployment = deployments["agent-dispatch-operator"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["image"] == "agent-dispatch:abc1234"
     examples = by_kind(docs, "AgentDispatch")
     assert len(examples) == (0 if profile is None else 1)
     if profile == "kind":
