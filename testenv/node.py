@@ -40,6 +40,7 @@ from testenv._common import (
     file_lock,
     log_tail,
     progress,
+    stop_process,
     wait_until,
 )
 from testenv.image import BuiltImages, build_images
@@ -521,11 +522,11 @@ state = "{root / "state"}"
         with contextlib.suppress(Exception):
             atexit.unregister(self.stop)
         for name in ("kube-proxy", "kubelet"):
-            _terminate(self._procs.get(name))
+            stop_process(self._procs.get(name), timeout=20)
         if self._procs.get("containerd") is not None:
             _kill_containers(self)
         for name in ("containerd", "kube-scheduler"):
-            _terminate(self._procs.get(name))
+            stop_process(self._procs.get(name), timeout=20)
         if self.plane is not None:
             self.plane.stop()
         _teardown(
@@ -539,17 +540,6 @@ state = "{root / "state"}"
         if self._lock_cm is not None:
             self._lock_cm.__exit__(None, None, None)
             self._lock_cm = None
-
-
-def _terminate(proc: subprocess.Popen[bytes] | None, timeout: float = 20) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=timeout)
 
 
 def _kill_containers(cluster: NodeCluster) -> None:
