@@ -234,7 +234,7 @@ def install(app: web.Application, gateway: Gateway) -> None:
     """Mount the UI on the gateway's application (before the gateway's own cleanup is added)."""
     ui = UI(gateway)
     r = app.router
-    r.add_get("/ui", lambda request: _redirect("/ui/"))
+    r.add_get("/ui", _to_ui_root)
     r.add_get("/ui/", ui.page(ui.overview))
     r.add_get("/ui/login", ui.login_form)
     r.add_post("/ui/login", ui.login)
@@ -254,8 +254,9 @@ def install(app: web.Application, gateway: Gateway) -> None:
     app.on_cleanup.append(ui.stop_sampling)
 
 
-async def _redirect(location: str) -> web.StreamResponse:
-    return see_other(location)
+async def _to_ui_root(request: web.Request) -> web.StreamResponse:
+    # aiohttp deprecates plain-function handlers: this one only redirects "/ui" to "/ui/".
+    return see_other("/ui/")
 
 
 def see_other(location: str) -> web.Response:
