@@ -196,7 +196,11 @@ class NodeCluster:
     """Control plane + node in a namespace; ``start()``, load images, run pods, ``stop()``."""
 
     def __init__(self) -> None:
-        self.workdir = Path(tempfile.mkdtemp(prefix="agent-dispatch-node-"))
+        # Made once the node lock is held (start()): a process killed while it waits for the lock
+        # leaves no directory behind.
+        self.workdir = (
+            Path(tempfile.gettempdir()) / f"agent-dispatch-node-{os.getpid()}-{secrets.token_hex(4)}"
+        )
         self.log_dir = self.workdir / "logs"
         self.network = NetworkNamespace()
         self.plane: NodeControlPlane | None = None
@@ -244,6 +248,7 @@ class NodeCluster:
             self.timings["image_s"] = time.monotonic() - mark
             self._lock_cm = file_lock(cache_dir("locks") / "node.lock", timeout=1800)
             self._lock_cm.__enter__()
+            self.workdir.mkdir(mode=0o700)
             reap_stale_runs()
             self._netns_before = set(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else set()
             mark = time.monotonic()
