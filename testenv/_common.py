@@ -301,3 +301,16 @@ class LoopbackService:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def unmount_under(root: Path) -> None:
+    """Unmount (lazily, deepest first) every mount point under ``root``."""
+    prefix = str(root.resolve()) + "/"
+    mounts = []
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as info:
+        for line in info:
+            point = line.split()[4].replace("\\040", " ")
+            if point.startswith(prefix) or point == prefix.rstrip("/"):
+                mounts.append(point)
+    for point in sorted(set(mounts), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False, timeout=30)

@@ -34,6 +34,7 @@ from testenv._common import (
     log_tail,
     progress,
     run_logged,
+    unmount_under,
     wait_until,
 )
 
@@ -160,21 +161,8 @@ class DockerDaemon:
                 self._proc.kill()
                 self._proc.wait(timeout=10)
         # dockerd leaves its exec root's mounts behind only if killed; unmount what is left.
-        _unmount_under(self.run_dir)
+        unmount_under(self.run_dir)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-
-
-def _unmount_under(root: Path) -> None:
-    """Unmount (lazily, deepest first) every mount point under ``root``."""
-    prefix = str(root.resolve()) + "/"
-    mounts = []
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as info:
-        for line in info:
-            point = line.split()[4].replace("\\040", " ")
-            if point.startswith(prefix) or point == prefix.rstrip("/"):
-                mounts.append(point)
-    for point in sorted(set(mounts), key=len, reverse=True):
-        subprocess.run(["umount", "-l", point], capture_output=True, check=False, timeout=30)
 
 
 @contextlib.contextmanager

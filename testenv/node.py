@@ -41,6 +41,7 @@ from testenv._common import (
     log_tail,
     progress,
     stop_process,
+    unmount_under,
     wait_until,
 )
 from testenv.image import BuiltImages, build_images
@@ -560,18 +561,6 @@ def _kill_containers(cluster: NodeCluster) -> None:
             time.sleep(0.5)
 
 
-def _unmount_under(root: Path) -> None:
-    prefix = str(root) + "/"
-    points = []
-    with open("/proc/self/mountinfo") as info:
-        for line in info:
-            point = line.split()[4].replace("\\040", " ")
-            if point.startswith(prefix):
-                points.append(point)
-    for point in sorted(set(points), key=len, reverse=True):
-        subprocess.run(["umount", "-l", point], capture_output=True, check=False, timeout=30)
-
-
 def _remove_pod_netns(before: set[str]) -> None:
     """The pods' network namespaces this run's containerd made (cni-*), unmounted and removed."""
     if not NETNS_DIR.is_dir():
@@ -606,7 +595,7 @@ def _remove_kubepods_cgroups() -> None:
 def _teardown(*, netns: NetworkNamespace, workdir: Path, netns_before: set[str], keep: bool) -> None:
     netns.destroy()
     _remove_pod_netns(netns_before)
-    _unmount_under(workdir)
+    unmount_under(workdir)
     _remove_kubepods_cgroups()
     if not keep:
         shutil.rmtree(workdir, ignore_errors=True)
