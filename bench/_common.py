@@ -25,6 +25,11 @@ KEY = "bench-signing-key-" + "k" * 32
 CONCURRENCY = 4
 #: Jobs per batch-insert call, for us (enqueue_many) and for every peer (its batch insert API).
 BATCH = 100
+#: The systems' names in results and tables.
+OURS = "agent-dispatch"
+RAW_PG = "raw psycopg loop"
+RAW_SQLITE = "raw sqlite3 loop"
+RAW_KAFKA = "raw confluent-kafka loop"
 #: Environment without anything of ours that a developer may have exported.
 BASE_ENV = {
     k: v
