@@ -1,7 +1,8 @@
 """Our side of the end-to-end runs: the submitter, and the probe executor for dispatch latency.
 
     python -m bench._ours insert COUNT BATCH   (settings from the environment, like the gateway;
-                                                prints "start <unix time>" before the first submit)
+                                                prints "start <unix time>" before the first submit,
+                                                "end <unix time>" after the last)
 
 ``probe`` is an executor plugin (``AGENT_DISPATCH_EXECUTOR=bench._ours:probe``): it sends the
 job id and the time it started to ``AGENT_DISPATCH_BENCH_PROBE`` (a loopback UDP port).
@@ -51,6 +52,7 @@ def insert(count: int, batch: int) -> None:
         ]
         results = admission.enqueue_many(requests)
         failed += sum(isinstance(r, DispatchError) for r in results)
+    print(f"end {time.time():.6f}", flush=True)
     transport.close()
     store.close()
     if failed:
