@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from agent_dispatch.gateway import _metrics as m
 from agent_dispatch.gateway import ui
 from agent_dispatch.gateway._auth import TokenRegistry
+from agent_dispatch.gateway._coalesce import SubmitCoalescer
 from agent_dispatch.gateway._models import JobHandle
 from agent_dispatch.gateway._openapi import openapi_document
 from agent_dispatch.gateway.service import JobService, ServiceError, admission_result
@@ -38,6 +39,9 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 THREADS: Final = 16
+#: Bodies up to this size are validated on the event loop (tens of microseconds, less than a
+#: thread hop); larger ones in the thread pool.
+INLINE_PARSE_BYTES: Final = 16 * 1024
 
 #: The gateway's error answers are the service's refusals (the old name is kept for importers).
 ApiError = ServiceError
@@ -62,9 +66,14 @@ class Gateway:
         default_factory=lambda: ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="gateway-io")
     )
     service: JobService = field(init=False)
+    coalescer: SubmitCoalescer = field(init=False)
 
     def __post_init__(self) -> None:
         self.service = JobService(self.settings, self.store, lambda: self.runtime.admission)
+        self.coalescer = SubmitCoalescer(
+            lambda requests: self.blocking(self.service.admit_many, requests),
+            observe_size=m.SUBMIT_BATCH_SIZE.observe,
+        )
 
     @property
     def settings(self) -> Settings:
@@ -127,7 +136,11 @@ class Gateway:
         key = request.headers.get("Idempotency-Key")
         try:
             body = await self.read_body(request)
-            handle = await self.blocking(self.service.submit, tenant, body, idempotency_key=key)
+            if len(body) <= INLINE_PARSE_BYTES:
+                turn = self.service.prepare(tenant, body, idempotency_key=key)
+            else:  # a large body would hold the event loop while it is parsed
+                turn = await self.blocking(self.service.prepare, tenant, body, idempotency_key=key)
+            handle = self.service.answer(await self.coalescer.submit(turn))
         except ServiceError as exc:
             m.ADMISSIONS.labels(admission_result(exc)).inc()
             raise

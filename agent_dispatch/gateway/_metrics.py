@@ -33,6 +33,11 @@ REQUEST_SECONDS = Histogram(
     ["route"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+SUBMIT_BATCH_SIZE = Histogram(
+    "agent_dispatch_gateway_submit_batch_size",
+    "Single-turn submissions admitted together in one transaction (the gateway's group commit)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 200),
+)
 
 for _result in ADMISSION_RESULTS:
     ADMISSIONS.labels(_result)

@@ -238,6 +238,14 @@ class JobService:
         self, tenant: str, body: bytes | Mapping[str, Any], *, idempotency_key: str | None = None
     ) -> JobHandle:
         """Admit one turn (``body``: the JSON text or its parsed object)."""
+        request = self.prepare(tenant, body, idempotency_key=idempotency_key)
+        result: SubmitResult = self.call(lambda: self._admission().enqueue(request))
+        return JobHandle.of(result.item, created=result.created)
+
+    def prepare(
+        self, tenant: str, body: bytes | Mapping[str, Any], *, idempotency_key: str | None = None
+    ) -> SubmitRequest:
+        """The request one turn's body asks for, or the ServiceError (400/413/422) that refuses it."""
         key = check_idempotency_key(idempotency_key)
         try:
             turn = (
@@ -247,9 +255,32 @@ class JobService:
             )
         except ValidationError as exc:
             raise validation_error(exc) from None
-        request = turn.to_request(tenant, key, datetime.now(UTC), self._payload(turn))
-        result: SubmitResult = self.call(lambda: self._admission().enqueue(request))
-        return JobHandle.of(result.item, created=result.created)
+        return turn.to_request(tenant, key, datetime.now(UTC), self._payload(turn))
+
+    def admit_many(self, requests: Sequence[SubmitRequest]) -> list[SubmitResult | DispatchError]:
+        """Each prepared request's outcome, admitted together (the gateway's group commit).
+
+        A lone request takes the single-turn path. An error of the whole call that is a refusal
+        (e.g. the store is unavailable) is every request's outcome, as it would have been alone.
+        """
+        try:
+            if len(requests) == 1:
+                return [self._admission().enqueue(requests[0])]
+            return list(self._admission().enqueue_many(requests))
+        except DispatchError as exc:
+            if admission_error(exc) is None:
+                raise
+            return [exc] * len(requests)
+
+    @staticmethod
+    def answer(outcome: SubmitResult | DispatchError) -> JobHandle:
+        """The handle of an admitted (or replayed) turn; a refusal is raised as its ServiceError."""
+        if isinstance(outcome, SubmitResult):
+            return JobHandle.of(outcome.item, created=outcome.created)
+        error = admission_error(outcome)
+        if error is None:
+            raise outcome
+        raise error
 
     def submit_batch(self, tenant: str, body: bytes, *, idempotency_key: str | None = None) -> BatchResult:
         """Admit each turn of a batch; every turn gets its own result, one refusal hides no other.
