@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import _peers
-from bench._common import CONCURRENCY, OURS, RAW_KAFKA, RAW_PG, RAW_SQLITE, ROOT, median, say
+from bench._common import BATCH, CONCURRENCY, OURS, RAW_KAFKA, RAW_PG, RAW_SQLITE, ROOT, median, say
 
 DOC = ROOT / "docs" / "benchmarks.md"
 FINDINGS = ROOT / "bench" / "findings.md"
@@ -28,6 +28,10 @@ def _med(data: dict[str, Any], backend: str, system: str, processes: int) -> flo
 
 def _fmt(value: float | None, digits: int = 0) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def _times(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}x"
 
 
 def _verdict(ok: bool | None) -> str:
@@ -97,13 +101,13 @@ def render(data: dict[str, Any]) -> str:
             theirs = _med(data, "postgres", peer, k)
             ratio = ours / theirs if ours and theirs else None
             w(
-                f"| PostgreSQL end to end >= 1.0x {peer} ({k} proc) | {_fmt(ratio, 2)}x | "
+                f"| PostgreSQL end to end >= 1.0x {peer} ({k} proc) | {_times(ratio, 2)} | "
                 f"{_verdict(None if ratio is None else ratio >= 1.0)} |"
             )
         raw = _med(data, "postgres", RAW_PG, k)
         ratio = ours / raw if ours and raw else None
         w(
-            f"| PostgreSQL end to end >= 0.5x raw ceiling ({k} proc) | {_fmt(ratio, 3)}x | "
+            f"| PostgreSQL end to end >= 0.5x raw ceiling ({k} proc) | {_times(ratio, 3)} | "
             f"{_verdict(None if ratio is None else ratio >= 0.5)} |"
         )
     claim = data.get("claim") or {}
@@ -136,8 +140,20 @@ def render(data: dict[str, Any]) -> str:
         raw = _med(data, backend, raw_name, 1)
         ratio = ours / raw if ours and raw else None
         w(
-            f"| {backend} end to end >= 0.5x raw ceiling | {_fmt(ratio, 3)}x | "
+            f"| {backend} end to end >= 0.5x raw ceiling | {_times(ratio, 3)} | "
             f"{_verdict(None if ratio is None else ratio >= 0.5)} |"
+        )
+    api = (data.get("gateway_api") or {}).get("summary") or {}
+    if api:
+        for name, label in (("single", "POST /api/turns"), ("status", "GET /api/graph/jobs/{id}")):
+            ratio = api[f"gateway/{name}"]["rate"] / api[f"ceiling/{name}"]["rate"]
+            w(
+                f"| gateway {label} >= 0.5x its bare-handler ceiling | {ratio:.2f}x | {_verdict(ratio >= 0.5)} |"
+            )
+        ratio = api["direct/batch"]["rate"] / api["gateway/batch"]["rate"]
+        w(
+            f"| gateway POST /api/turns:batch within 1.5x of direct enqueue_many | {ratio:.2f}x slower | "
+            f"{_verdict(ratio <= 1.5)} |"
         )
     w("")
 
@@ -298,6 +314,8 @@ def render(data: dict[str, Any]) -> str:
                 f"{o['operator_rss_mib']:.0f} MiB (CPU {o['operator_idle_cpu_pct']:.2f}%) |"
             )
         w("")
+    if api:
+        _gateway_section(w, data["gateway_api"])
     if data["errors"]:
         w("## Sections that failed")
         w("")
@@ -315,6 +333,39 @@ def render(data: dict[str, Any]) -> str:
     w("python -m bench.run --full    # the issue's sizes (20,000 turns, 1M queued): about 35 minutes")
     w("```")
     return "\n".join(lines) + "\n"
+
+
+def _gateway_section(w: Any, g: dict[str, Any]) -> None:
+    api = g["summary"]
+    w("## Gateway (HTTP, PostgreSQL)")
+    w("")
+    w(
+        f"Turns/s through the gateway from a separate load process: {g['clients']} concurrent clients for the "
+        f"one-turn endpoints ({g['requests']:,} requests per run), {g['batch_clients']} posting batches of "
+        f"{BATCH} ({g['batches']} per run), spread over {g['tenants']} tenants; medians of {g['rounds']} runs. "
+        "The ceiling is a bare aiohttp server that only validates the same bodies with the gateway's own "
+        "models (bench/_bare_gateway.py); direct is `enqueue_many` of the same batches without HTTP "
+        "(bench/gateway_bench.py)."
+    )
+    w("")
+    w("| endpoint | gateway turns/s | p50 / p99 (ms) | ceiling turns/s | p50 / p99 (ms) | ratio |")
+    w("| --- | --- | --- | --- | --- | --- |")
+    for name, label in (
+        ("single", "POST /api/turns"),
+        ("batch", "POST /api/turns:batch"),
+        ("status", "GET /api/graph/jobs/{id}"),
+    ):
+        ours, ceiling = api[f"gateway/{name}"], api[f"ceiling/{name}"]
+        w(
+            f"| {label} | {ours['rate']:,.0f} | {ours['p50_ms']:.1f} / {ours['p99_ms']:.1f} | "
+            f"{ceiling['rate']:,.0f} | {ceiling['p50_ms']:.1f} / {ceiling['p99_ms']:.1f} | "
+            f"{ours['rate'] / ceiling['rate']:.2f}x |"
+        )
+    w(f"| direct `enqueue_many` (no HTTP) | {api['direct/batch']['rate']:,.0f} | | | | |")
+    w("")
+    if g.get("unexpected_statuses"):
+        w(f"Answers other than 200/202: {g['unexpected_statuses']}")
+        w("")
 
 
 def scrub(text: str) -> str:

@@ -233,6 +233,10 @@ def measure(mode: str, command: str, only: set[str] | None) -> dict[str, Any]:
                 ),
             )
             results.section("gateway", lambda: _idle.gateway_rss(pg, log_dir))
+        if wanted("gateway"):
+            from bench import gateway_bench
+
+            results.section("gateway_api", lambda: gateway_bench.measure(pg, mode=mode, log_dir=log_dir))
     if wanted("idle"):
         results.section("operator", lambda: _idle.operator_rss(log_dir))
     results.data["load_after"] = loadavg()
@@ -246,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--full", action="store_true", help="the issue's sizes: 20,000 turns, 1M queued")
     group.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness, not the system")
     group.add_argument("--render", metavar="JSON", help="rewrite the doc and charts from a saved run")
-    parser.add_argument("--only", help="comma-separated sections: postgres,sqlite,kafka,claim,fairness,idle")
+    parser.add_argument(
+        "--only", help="comma-separated sections: postgres,sqlite,kafka,claim,fairness,idle,gateway"
+    )
     args = parser.parse_args(argv)
     if args.render:
         write(json.loads(Path(args.render).read_text()))
