@@ -2,8 +2,8 @@
 
 Every ``interval_s`` one sample: the transport's depth (an O(1) counter or the broker's lag) and
 the outcome records appended since the previous sample (read from the store's append order, a
-primary-key range, never the whole table). Rates and per-tenant "last served" come from those
-records, so they cover every worker, not only this process's.
+primary-key range, never the whole table). Rates come from those records, so they cover every
+worker, not only this process's. Each sample also folds the store's per-tenant counters.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Final
 
 from agent_dispatch.models import Outcome
 from agent_dispatch.store import Inspectable
+from agent_dispatch.stores.tenant_stats import TenantPages
 
 #: Five minutes of samples at the default interval.
 HISTORY: Final = 150
@@ -34,18 +34,11 @@ class Sample:
 
 
 @dataclass
-class TenantActivity:
-    done: int = 0
-    last_served: datetime | None = None
-
-
-@dataclass
 class Sampler:
     store: Inspectable
     depth: Callable[[], int]
     interval_s: float = 2.0
     samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    tenants: dict[str, TenantActivity] = field(default_factory=dict)
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTED, 0))
     started: float = field(default_factory=time.time)
     _seq: int | None = None
@@ -61,9 +54,11 @@ class Sampler:
             events = self.store.events_after(self._seq, limit=READ_LIMIT)
             for event in events:
                 self._count(event.record.event, event.record.outcome, counts)
-                self._tenant(event.record.tenant, event.record.event, event.record.at)
             if events:
                 self._seq = events[-1].seq
+            if isinstance(self.store, TenantPages):
+                # Compacts the per-tenant counters' deltas (PostgreSQL), so a page reads one row per tenant.
+                self.store.fold_tenant_counts()
             try:
                 depth: int | None = self.depth()
             except Exception:
@@ -86,13 +81,6 @@ class Sampler:
             counts["dead_lettered"] += 1
         elif event in {"cancel", "expire"}:
             counts["cancelled"] += 1
-
-    def _tenant(self, tenant: str, event: str, at: datetime) -> None:
-        activity = self.tenants.setdefault(tenant, TenantActivity())
-        if event in {"claim", "running"}:
-            activity.last_served = at if activity.last_served is None else max(activity.last_served, at)
-        elif event in {"commit", "dead_letter", "cancel", "expire"}:
-            activity.done += 1
 
     def history(self) -> list[Sample]:
         with self._lock:

@@ -24,13 +24,15 @@ from agent_dispatch.gateway.service import (
     parse_states,
 )
 from agent_dispatch.jobs import project
-from agent_dispatch.models import OutcomeRecord, WorkItem
+from agent_dispatch.models import OutcomeRecord, WorkItem, WorkState
 from agent_dispatch.store import Inspectable
+from agent_dispatch.stores.tenant_stats import TenantPages, TenantStats
 from agent_dispatch.transport import Transport
 
 #: Leases listed on the overview (soonest expiry first); the count beside it says if there are more.
 LEASES_SHOWN: Final = 100
-TENANTS_SHOWN: Final = 1000
+#: Tenants on one page of the tenants page.
+TENANTS_PAGE: Final = 50
 RETRY_REASON: Final = "retried from the web UI"
 CANCEL_REASON: Final = "cancelled from the web UI"
 
@@ -89,15 +91,21 @@ class InsightService:
         transport: Callable[[], Transport],
         signing_key: bytes,
         sampler: Sampler | None = None,
+        heartbeats: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         store = jobs.store
         if not isinstance(store, Inspectable):
             raise TypeError(f"{type(store).__name__} does not implement Inspectable")
+        if not isinstance(store, TenantPages):
+            raise TypeError(f"{type(store).__name__} does not implement TenantPages")
+        self.tenant_pages: TenantPages = store
         self.jobs = jobs
         self.store: Inspectable = store
         self._transport = transport
         self._signing_key = signing_key
         self.sampler = sampler or Sampler(store, lambda: transport().depth())
+        #: Worker heartbeats (their Kubernetes Leases), or why there are none here.
+        self.heartbeats = heartbeats or (lambda: {"source": None, "note": "", "workers": []})
 
     # --- reads -----------------------------------------------------------------------------------
 
@@ -120,7 +128,16 @@ class InsightService:
                     "expires_at": _iso(item.lease_expires_at),
                 }
             )
+        beats = self.heartbeats()
         return {
+            "heartbeats": {
+                "source": beats["source"],
+                "note": beats["note"],
+                # A tenant sees the workers serving its own jobs, not the whole fleet's names.
+                "workers": beats["workers"]
+                if scope.admin
+                else [w for w in beats["workers"] if w["worker"] in workers],
+            },
             "depth": depth,
             "max_depth": self.jobs.settings.max_depth,
             "rates_per_min": self.sampler.rates_per_min(),
@@ -132,28 +149,34 @@ class InsightService:
             "scope": {"name": scope.name, "admin": scope.admin},
         }
 
-    def tenants(self, scope: Scope) -> list[dict[str, Any]]:
-        backlog = {b.tenant: b for b in self.store.backlog(limit=TENANTS_SHOWN)}
-        names = set(backlog) | set(self.sampler.tenants)
-        if not scope.admin:
-            names &= {scope.name}
-            names.add(scope.name)
-        rows: list[dict[str, Any]] = []
-        for name in names:
-            b = backlog.get(name)
-            act = self.sampler.tenants.get(name)
-            rows.append(
+    def tenants(self, scope: Scope, *, after: str = "", limit: int | str | None = None) -> dict[str, Any]:
+        """One page of tenants in name order, from the store's per-tenant counters.
+
+        An administrator pages through every tenant (``after``: the last name of the previous
+        page); a tenant sees its own row only. The cost is the page's size, not the queue's.
+        """
+        size = min(parse_limit(limit), TENANTS_PAGE) if limit else TENANTS_PAGE
+        if scope.admin:
+            found = self.tenant_pages.tenant_stats(after=after[:200], limit=size + 1)
+        else:
+            found = self.tenant_pages.tenant_stats(tenants=[scope.name]) or [
+                TenantStats(scope.name, 0, 0, 0, None, None)
+            ]
+        page = found[:size]
+        return {
+            "tenants": [
                 {
-                    "tenant": name,
-                    "queued": b.queued if b else 0,
-                    "running": b.running if b else 0,
-                    "done": act.done if act else 0,
-                    "oldest_waiting": _iso(b.oldest_waiting) if b else None,
-                    "last_served": _iso(act.last_served) if act else None,
+                    "tenant": t.tenant,
+                    "queued": t.queued,
+                    "running": t.running,
+                    "done": t.done,
+                    "oldest_waiting": _iso(t.oldest_waiting),
+                    "last_served": _iso(t.last_served),
                 }
-            )
-        rows.sort(key=lambda r: (-r["queued"], r["tenant"]))
-        return rows
+                for t in page
+            ],
+            "next_after": page[-1].tenant if len(found) > size else None,
+        }
 
     def list(
         self,
@@ -205,6 +228,8 @@ class InsightService:
     def retry(self, scope: Scope, job_id: str) -> dict[str, Any]:
         """Send a dead-lettered job back to ready and admit a delivery for it at once.
 
+        A job whose dependencies have not all succeeded goes back to waiting (``submitted``)
+        instead, and is dispatched when its last dependency succeeds, like any waiting job.
         The delivery is admitted unbounded, like the recovery sweep's re-drive: the job was
         accepted once already. If admitting fails, the job is still ready and never dispatched, so
         the sweep re-drives it within the RTO.
@@ -214,6 +239,8 @@ class InsightService:
             retried = self.store.retry_dead_letter(item.id, tenant=item.tenant, reason=RETRY_REASON)
         except InvalidTransition as exc:
             raise ServiceError(409, "invalid_transition", str(exc)) from None
+        if retried.state is not WorkState.READY:
+            return self.job(scope, job_id)
         try:
             self._transport().admit([build_turn(retried, signing_key=self._signing_key)], bounded=False)
             self.jobs.store.mark_dispatched([retried.id])

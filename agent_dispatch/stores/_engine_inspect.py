@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from agent_dispatch.errors import InvalidRequest, InvalidTransition, NotFound
 from agent_dispatch.models import WorkItem, WorkState
 from agent_dispatch.store import SeqEvent, TenantBacklog, bound_error
-from agent_dispatch.stores._common import Event, make_item, to_dt
+from agent_dispatch.stores._common import DEPENDENCY_FAILED, Event, make_item, to_dt
 from agent_dispatch.stores._engine_base import EngineBase
+from agent_dispatch.stores.tenant_stats import TenantStats
 
 
 class InspectCalls(EngineBase):
@@ -51,6 +52,18 @@ class InspectCalls(EngineBase):
             rows = tx.backlog(limit)
         return [TenantBacklog(t, queued, running, to_dt(oldest)) for t, queued, running, oldest in rows]
 
+    def tenant_stats(
+        self, *, after: str = "", limit: int = 50, tenants: Sequence[str] | None = None
+    ) -> list[TenantStats]:
+        if limit < 1:
+            raise InvalidRequest("limit must be at least 1")
+        with self._read() as tx:
+            rows = tx.tenant_stats(after, limit, None if tenants is None else list(tenants))
+        return [TenantStats(t, q, r, d, to_dt(oldest), to_dt(served)) for t, q, r, d, oldest, served in rows]
+
+    def fold_tenant_counts(self) -> int:
+        return 0  # counted from the rows on each read: nothing to compact
+
     def held_leases(self, *, limit: int = 200) -> list[WorkItem]:
         with self._read() as tx:
             rows = tx.held(limit)
@@ -67,8 +80,20 @@ class InspectCalls(EngineBase):
                 raise NotFound(f"work item {work_item_id} not found")
             if row.state is not WorkState.DEAD_LETTER:
                 raise InvalidTransition(f"work item {work_item_id} is {row.state.value}, not dead_letter")
+            # Its dependencies decide where it goes back to, as at submit: one not yet succeeded
+            # means waiting (``submitted``), one that can no longer succeed refuses the retry.
+            pending = 0
+            for dep_id in row.depends_on:
+                dep = tx.load(dep_id)
+                if dep is None or dep.state in DEPENDENCY_FAILED:
+                    ended = "is gone" if dep is None else f"ended {dep.state.value}"
+                    raise InvalidTransition(
+                        f"work item {work_item_id} depends on {dep_id}, which {ended}: retry that first"
+                    )
+                pending += dep.state is not WorkState.SUCCEEDED
             # Epoch and token stay: the next claim issues new ones, so an old lease stays fenced.
-            row.state = WorkState.READY
+            row.state = WorkState.SUBMITTED if pending else WorkState.READY
+            row.pending_deps = pending
             row.max_attempts = max(row.max_attempts, row.attempt + 1)
             row.lease_owner = None
             row.lease_expires_at = None

@@ -114,6 +114,11 @@ class Tx(Protocol):
     def backlog(self, limit: int) -> list[tuple[str, int, int, float | None]]:
         """(tenant, queued, running, oldest queued created_at) per tenant with unfinished work."""
 
+    def tenant_stats(
+        self, after: str, limit: int, tenants: list[str] | None
+    ) -> list[tuple[str, int, int, int, float | None, float | None]]:
+        """(tenant, queued, running, done, oldest queued created_at, last claim) in name order."""
+
     def held(self, limit: int) -> list[Row]: ...
 
     def events_after(self, seq: int, limit: int) -> list[tuple[int, OutcomeRecord]]: ...

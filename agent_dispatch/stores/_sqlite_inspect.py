@@ -20,6 +20,11 @@ OUTCOMES: Final = "agent_dispatch_outcomes"
 _COLUMNS: Final = ", ".join(ROW_FIELDS)
 
 
+def _ts(value: Any) -> float | None:
+    when = to_dt(value)
+    return None if when is None else when.timestamp()
+
+
 class SqliteInspectTx:
     """Mixed into the SQLite transaction: ``conn`` and ``_rows`` come from there."""
 
@@ -65,6 +70,39 @@ class SqliteInspectTx:
             (limit,),
         ).fetchall()
         return [(str(t), int(q), int(r), None if o is None else float(o)) for t, q, r, o in rows]
+
+    def tenant_stats(
+        self, after: str, limit: int, tenants: list[str] | None
+    ) -> list[tuple[str, int, int, int, float | None, float | None]]:
+        # A local store is small: its rows are counted (PostgreSQL keeps counters instead).
+        scope, params = "", [after]
+        if tenants is not None:
+            scope = f" AND tenant IN ({', '.join('?' * len(tenants))})"
+            params.extend(tenants)
+        names = [
+            str(r[0])
+            for r in self.conn.execute(
+                f"SELECT DISTINCT tenant FROM {T} WHERE tenant > ?{scope} ORDER BY tenant LIMIT ?",
+                (*params, limit),
+            )
+        ]
+        result = []
+        for name in names:
+            q, r, d, oldest = self.conn.execute(
+                f"SELECT coalesce(sum(state IN ('submitted', 'ready')), 0),"
+                f" coalesce(sum(state IN ('leased', 'running')), 0),"
+                f" coalesce(sum(state NOT IN ('submitted', 'ready', 'leased', 'running')), 0),"
+                f" min(CASE WHEN state IN ('submitted', 'ready') THEN created_at END)"
+                f" FROM {T} WHERE tenant = ?",
+                (name,),
+            ).fetchone()
+            (served,) = self.conn.execute(
+                f"SELECT max(at) FROM {OUTCOMES} WHERE tenant = ? AND event = 'claim'", (name,)
+            ).fetchone()
+            result.append(
+                (name, int(q), int(r), int(d), None if oldest is None else float(oldest), _ts(served))
+            )
+        return result
 
     def held(self, limit: int) -> list[Row]:
         return self._rows(

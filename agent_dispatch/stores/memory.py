@@ -231,6 +231,29 @@ class _MemoryTx:
         ranked = sorted(tenants.items(), key=lambda kv: (-kv[1][0], kv[0]))
         return [(tenant, q, r, oldest) for tenant, (q, r, oldest) in ranked[:limit]]
 
+    def tenant_stats(
+        self, after: str, limit: int, tenants: list[str] | None
+    ) -> list[tuple[str, int, int, int, float | None, float | None]]:
+        wanted = None if tenants is None else set(tenants)
+        stats: dict[str, list[Any]] = {}
+        for row in self.t.items.values():
+            if row.tenant <= after or (wanted is not None and row.tenant not in wanted):
+                continue
+            entry = stats.setdefault(row.tenant, [0, 0, 0, None, None])
+            if row.state.terminal:
+                entry[2] += 1
+            elif row.state in LEASED_STATES:
+                entry[1] += 1
+            else:
+                entry[0] += 1
+                entry[3] = row.created_at if entry[3] is None else min(entry[3], row.created_at)
+        for record in self.t.events:
+            found = stats.get(record.tenant)
+            if found is not None and record.event == "claim":
+                at = record.at.timestamp()
+                found[4] = at if found[4] is None else max(found[4], at)
+        return [(t, *stats[t]) for t in sorted(stats)[:limit]]
+
     def held(self, limit: int) -> list[Row]:
         rows = [row for row in self.t.items.values() if row.state in LEASED_STATES]
         rows.sort(key=lambda row: (row.lease_expires_at or 0.0, row.seq))

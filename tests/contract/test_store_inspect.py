@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agent_dispatch.errors import InvalidTransition, LeaseLost, NotFound
 from agent_dispatch.models import Outcome, SubmitRequest, WorkItem, WorkState
 from agent_dispatch.store import Inspectable, WorkItemStore
+from agent_dispatch.stores.tenant_stats import TenantPages
 from tests.contract._store_harness import (  # noqa: F401 (store_postgres_dsn is a fixture)
     BACKENDS,
     Harness,
@@ -85,6 +87,52 @@ def test_retry_dead_letter_is_scoped_to_the_tenant_and_only_from_dead_letter(h: 
         i.retry_dead_letter(done.id, tenant="t1", reason="x")
 
 
+def test_retry_dead_letter_of_a_waiting_item_waits_again_for_its_dependency(h: Harness) -> None:
+    s, i = h.store, insp(h)
+    parent = submit(s, "t1")
+    child = submit(s, "t1", depends_on=(parent.id,))
+    assert s.get(child.id).state is WorkState.SUBMITTED
+    s.dead_letter(child.id, reason="poison envelope")
+    back = i.retry_dead_letter(child.id, tenant="t1", reason="x")
+    assert back.state is WorkState.SUBMITTED  # still waiting on its dependency, not ready
+    assert child.id not in {r.id for r in s.recoverable(stale_after_s=0.0)}
+    with pytest.raises(InvalidTransition, match="waiting"):
+        s.claim("w", work_item_id=child.id)
+    # The dependency's success releases it exactly as if it had never been dead-lettered.
+    lease = s.claim("w", work_item_id=parent.id)
+    assert lease is not None
+    s.commit(lease, Outcome.SUCCEEDED)
+    assert s.get(child.id).state is WorkState.READY
+
+
+def test_retry_dead_letter_after_its_dependency_succeeded_is_ready(h: Harness) -> None:
+    s, i = h.store, insp(h)
+    parent = submit(s, "t1")
+    child = submit(s, "t1", depends_on=(parent.id,))
+    s.dead_letter(child.id, reason="poison envelope")
+    lease = s.claim("w", work_item_id=parent.id)
+    assert lease is not None
+    s.commit(lease, Outcome.SUCCEEDED)  # its release skips the dead-lettered child
+    assert i.retry_dead_letter(child.id, tenant="t1", reason="x").state is WorkState.READY
+
+
+def test_retry_dead_letter_refuses_while_a_dependency_can_no_longer_succeed(h: Harness) -> None:
+    s, i = h.store, insp(h)
+    parent, _ = dead_lettered(h)
+    child = submit(s, "t1", depends_on=(parent.id,))  # cancelled at once: its dependency is dead
+    other = submit(s, "t1")
+    waiting = submit(s, "t1", depends_on=(other.id,))
+    s.dead_letter(waiting.id, reason="x")
+    s.dead_letter(other.id, reason="x")
+    with pytest.raises(InvalidTransition, match=other.id):
+        i.retry_dead_letter(waiting.id, tenant="t1", reason="x")
+    assert s.get(waiting.id).state is WorkState.DEAD_LETTER
+    # Retrying the dependency first, then the dependent: it waits for the dependency again.
+    i.retry_dead_letter(other.id, tenant="t1", reason="x")
+    assert i.retry_dead_letter(waiting.id, tenant="t1", reason="x").state is WorkState.SUBMITTED
+    assert s.get(child.id).state is WorkState.CANCELLED
+
+
 def test_browse_filters_pages_and_scopes_by_tenant(h: Harness) -> None:
     s, i = h.store, insp(h)
     a = [submit(s, "t1", kind="alpha", session_id="s1") for _ in range(3)]
@@ -128,3 +176,58 @@ def test_dependents_backlog_held_leases_and_events(h: Harness) -> None:
     s.commit(lease, Outcome.SUCCEEDED)
     assert {b.tenant: b.queued for b in i.backlog()}["t1"] == 1  # the child is ready now
     assert i.held_leases() == []
+
+
+def pages(h: Harness) -> TenantPages:
+    assert isinstance(h.store, TenantPages)
+    return h.store
+
+
+def stats_of(h: Harness, **kw: Any) -> dict[str, tuple[int, int, int]]:
+    return {t.tenant: (t.queued, t.running, t.done) for t in pages(h).tenant_stats(**kw)}
+
+
+def test_tenant_stats_count_each_transition_and_page_in_name_order(h: Harness) -> None:
+    s, p = h.store, pages(h)
+    assert p.tenant_stats() == []
+    parent = submit(s, "t1")
+    child = submit(s, "t1", depends_on=(parent.id,))
+    for tenant in ("t2", "t3", "t3"):
+        submit(s, tenant)
+    assert stats_of(h) == {"t1": (2, 0, 0), "t2": (1, 0, 0), "t3": (2, 0, 0)}
+    lease = s.claim("w", work_item_id=parent.id)
+    assert lease is not None
+    assert stats_of(h)["t1"] == (1, 1, 0)
+    lease = s.mark_running(lease)
+    assert stats_of(h)["t1"] == (1, 1, 0)  # leased -> running stays "running"
+    p.fold_tenant_counts()
+    s.commit(lease, Outcome.SUCCEEDED)
+    assert stats_of(h)["t1"] == (1, 0, 1)  # the child is ready now: still queued
+    s.cancel(child.id, tenant="t1", reason="x")
+    assert stats_of(h)["t1"] == (0, 0, 2)
+    p.fold_tenant_counts()
+    p.fold_tenant_counts()  # folding twice changes nothing
+    assert stats_of(h) == {"t1": (0, 0, 2), "t2": (1, 0, 0), "t3": (2, 0, 0)}
+    first = p.tenant_stats(limit=2)
+    assert [t.tenant for t in first] == ["t1", "t2"]
+    assert [t.tenant for t in p.tenant_stats(after="t2", limit=2)] == ["t3"]
+    assert p.tenant_stats(after="t3") == []
+    assert [t.tenant for t in p.tenant_stats(tenants=["t3", "nobody"])] == ["t3"]
+    t1 = p.tenant_stats(tenants=["t1"])[0]
+    assert t1.oldest_waiting is None and t1.last_served is not None
+    t3 = p.tenant_stats(tenants=["t3"])[0]
+    assert t3.oldest_waiting is not None and t3.last_served is None
+
+
+def test_tenant_stats_follow_retries_dead_letters_and_expiry(h: Harness) -> None:
+    s, i = h.store, insp(h)
+    item, _ = dead_lettered(h)
+    assert stats_of(h)["t1"] == (0, 0, 1)
+    i.retry_dead_letter(item.id, tenant="t1", reason="x")
+    assert stats_of(h)["t1"] == (1, 0, 0)
+    again = submit(s, "t1", max_attempts=2)
+    lease = s.claim("w", work_item_id=again.id)
+    assert lease is not None
+    assert stats_of(h)["t1"] == (1, 1, 0)
+    s.retry(lease, error="once more")  # back to ready: queued again
+    assert stats_of(h)["t1"] == (2, 0, 0)

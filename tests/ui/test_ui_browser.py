@@ -72,6 +72,8 @@ def test_login_overview_and_security_headers(page: Any, server: Server, shots: l
     page.wait_for_function("() => document.querySelectorAll('#chart polyline').length > 0", timeout=LIVE_MS)
     assert page.locator("#bound").inner_text() == "100,000"
     assert page.locator("#depth").inner_text() != "unknown"
+    # `up` runs on a laptop, not in a cluster: the overview says why no heartbeat is shown.
+    assert page.locator("#heartbeat-note").inner_text().startswith("Not on Kubernetes")
     shot(page, shots, "overview")
     page.set_viewport_size({"width": 390, "height": 844})
     shot(page, shots, "overview-narrow")
@@ -170,6 +172,8 @@ def test_another_tenants_job_is_404_and_the_admin_sees_every_tenant(
     assert page.get_by_label("Tenant").count() == 0  # a tenant cannot pick another tenant
     page.goto(f"{server.url}/ui/tenants")
     assert "other" not in page.locator("#tenants").inner_text()
+    assert page.locator("#tenants tr").count() == 1  # its own row only
+    assert page.locator("#next-tenants").is_hidden()
     page.console_errors.clear()  # the 404 page's own status is logged by the browser
     page.get_by_role("button", name="Sign out").click()
     page.wait_for_url(f"{server.url}/ui/login")
@@ -192,6 +196,15 @@ def test_another_tenants_job_is_404_and_the_admin_sees_every_tenant(
         timeout=LIVE_MS,
     )
     shot(page, shots, "tenants")
+    # Paged in name order: one tenant a page, the next page behind "Next tenants".
+    page.goto(f"{server.url}/ui/tenants?limit=1")
+    assert [r.split("\t")[0] for r in page.locator("#tenants tr").all_inner_texts()] == ["local"]
+    page.get_by_role("link", name="Next tenants").click()
+    page.wait_for_url("**/ui/tenants?after=local&limit=1")
+    assert [r.split("\t")[0] for r in page.locator("#tenants tr").all_inner_texts()] == ["other"]
+    done = page.locator("#tenants tr td").nth(3).inner_text()
+    assert int(done.replace(",", "")) >= 1  # its finished job, from the store's counters
+    assert page.locator("#next-tenants").is_hidden()
     assert page.console_errors == []
 
 

@@ -108,15 +108,20 @@ def overview(model: dict[str, Any]) -> str:
         '<figcaption><span class="key depth">depth</span> <span class="key done">finished per sample</span> '
         '<span class="key admitted">admitted per sample</span> (a sample every 2 s, the last 5 minutes)</figcaption></figure></section>'
         f'<section aria-labelledby="w"><h2 id="w">Workers and leases</h2><p>{f("workers")} workers hold {f("leases")} leases.</p>'
+        f"<p>Heartbeats: {f('heartbeat-note')}</p>"
+        f"{table('workers', 'Workers: their heartbeat Lease and the WorkItem leases they hold', v.WORKER_COLUMNS, model['tables']['workers'])}"
         f"{table('leases', 'Leases held, soonest expiry first', v.LEASE_COLUMNS, model['tables']['leases'])}</section>"
     )
 
 
 def tenants(model: dict[str, Any]) -> str:
+    nxt = model["links"]["next-tenants"]
+    hidden = " hidden" if model["hidden"]["next-tenants"] else ""
     return (
-        f"<p>{field('tenant-count', model)} tenants with work or activity. Done and last served count "
-        "since this gateway started.</p>"
+        f"<p>{field('tenant-count', model)} tenants on this page, in name order. Counts are the store's "
+        "per-tenant counters; last served is the newest claim.</p>"
         f"{table('tenants', 'Tenants and fairness', v.TENANT_COLUMNS, model['tables']['tenants'])}"
+        f'<p><a id="next-tenants" href="{esc(nxt)}"{hidden}>Next tenants</a></p>'
     )
 
 

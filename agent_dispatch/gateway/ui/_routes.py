@@ -14,6 +14,7 @@ from aiohttp import web
 from agent_dispatch.gateway.insight import InsightService, Scope
 from agent_dispatch.gateway.service import ServiceError
 from agent_dispatch.gateway.ui import _html, _views
+from agent_dispatch.gateway.ui._heartbeats import Heartbeats
 from agent_dispatch.gateway.ui._session import COOKIE, LIFETIME_S, Session, Sessions
 
 if TYPE_CHECKING:
@@ -43,7 +44,12 @@ class UI:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
         runtime = gateway.runtime
-        self.insight = InsightService(gateway.service, lambda: runtime.transport, runtime.signing_key)
+        self.insight = InsightService(
+            gateway.service,
+            lambda: runtime.transport,
+            runtime.signing_key,
+            heartbeats=Heartbeats(gateway.service.settings).read,
+        )
         self.sessions = Sessions(runtime.signing_key, gateway.tokens)
         self._task: asyncio.Task[None] | None = None
 
@@ -153,7 +159,11 @@ class UI:
         return _views.overview(await self.gw.blocking(self.insight.overview, session.scope))
 
     async def tenants_data(self, request: web.Request, session: Session) -> dict[str, Any]:
-        return _views.tenants(await self.gw.blocking(self.insight.tenants, session.scope))
+        q = request.query
+        page = await self.gw.blocking(
+            self.insight.tenants, session.scope, after=q.get("after", ""), limit=q.get("limit") or None
+        )
+        return _views.tenants(page, q.get("limit", "")[:10])
 
     async def jobs_data(self, request: web.Request, session: Session) -> dict[str, Any]:
         query = _job_query(request)

@@ -15,6 +15,7 @@ Cell = str | list[str]
 
 JOB_COLUMNS: Final = ("Job", "Tenant", "Kind", "Session", "State", "Attempt", "Created")
 TENANT_COLUMNS: Final = ("Tenant", "Queued", "Running", "Done", "Oldest waiting", "Last served")
+WORKER_COLUMNS: Final = ("Worker", "Heartbeat", "Renewed", "Age", "Lease duration", "Leases held")
 LEASE_COLUMNS: Final = ("Worker", "Owner", "Job", "Tenant", "State", "Epoch", "Token", "Expires")
 ATTEMPT_COLUMNS: Final = ("Epoch", "Token", "Owner", "Started", "Ended", "Outcome", "Error", "Events")
 
@@ -55,28 +56,56 @@ def overview(data: dict[str, Any]) -> dict[str, Any]:
         for w in data["workers"]
         for lease in w["leases"]
     ]
+    beats = data["heartbeats"]
+    held = {w["worker"]: len(w["leases"]) for w in data["workers"]}
+    seen = {b["worker"]: b for b in beats["workers"]}
+    workers: list[list[Cell]] = []
+    for name in sorted(set(held) | set(seen)):
+        b = seen.get(name)
+        workers.append(
+            [
+                name,
+                "no Lease" if b is None else ("live" if b["live"] else "stale"),
+                "—" if b is None else _t(b["renewed_at"]),
+                "—" if b is None or b["age_s"] is None else f"{b['age_s']:.0f} s ago",
+                "—" if b is None else f"{b['duration_s']} s",
+                str(held.get(name, 0)),
+            ]
+        )
+    fields["heartbeat-note"] = beats["note"]
     history = data["history"]
     chart = {
         "depth": [h["depth"] or 0 for h in history],
         "done": [h["succeeded"] + h["failed"] + h["dead_lettered"] for h in history],
         "admitted": [h["admitted"] for h in history],
     }
-    return {"fields": fields, "tables": {"leases": leases}, "chart": chart, "hidden": {}}
+    return {"fields": fields, "tables": {"workers": workers, "leases": leases}, "chart": chart, "hidden": {}}
 
 
-def tenants(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def tenants(page: dict[str, Any], limit: str = "") -> dict[str, Any]:
+    rows = page["tenants"]
     table: list[list[Cell]] = [
         [
             r["tenant"],
-            str(r["queued"]),
-            str(r["running"]),
-            str(r["done"]),
+            f"{r['queued']:,}",
+            f"{r['running']:,}",
+            f"{r['done']:,}",
             _t(r["oldest_waiting"]),
             _t(r["last_served"]),
         ]
         for r in rows
     ]
-    return {"fields": {"tenant-count": str(len(rows))}, "tables": {"tenants": table}, "hidden": {}}
+    following = page["next_after"]
+    return {
+        "fields": {"tenant-count": str(len(rows))},
+        "tables": {"tenants": table},
+        "links": {
+            "next-tenants": ""
+            if following is None
+            else f"?after={quote(following, safe='')}" + (f"&limit={quote(limit, safe='')}" if limit else "")
+        },
+        "hidden": {"next-tenants": following is None},
+    }
 
 
 def jobs(page: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:

@@ -77,7 +77,9 @@
   async function refresh() {
     const status = document.getElementById("live-status");
     try {
-      const url = body.dataset.page === "jobs" ? live + window.location.search : live;
+      // Paged lists refresh the page they show (its filters and position are in the query).
+      const paged = body.dataset.page === "jobs" || body.dataset.page === "tenants";
+      const url = paged ? live + window.location.search : live;
       const response = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
       if (response.status === 401) {
         window.location.assign("/ui/login");
