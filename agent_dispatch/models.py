@@ -143,6 +143,9 @@ class CommitResult:
     item: WorkItem
     #: True when this exact commit had already been applied (a repeated call is a no-op).
     repeated: bool = False
+    #: The dependents this commit made ``ready`` (their last dependency succeeded), for the caller
+    #: to dispatch now rather than leave to the recovery sweep. Empty on a repeated commit.
+    released: tuple[WorkItem, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """The WorkItem authority: one small Protocol, implementations in ``agent_dispatch.stores``.
 
 Beside it, the optional capabilities a store may have (:class:`TransactionalSubmit`,
-:class:`BatchSubmit`), each a Protocol of its own: the enqueue path picks its admission
-strategy from them once per store/transport pair (``agent_dispatch.dispatch.choose_admission``).
+:class:`BatchSubmit`, :class:`TransactionalCommit`), each a Protocol of its own: the enqueue path
+picks its admission strategy from them once per store/transport pair
+(``agent_dispatch.dispatch.choose_admission``), and the worker how it dispatches the dependents
+a commit releases.
 Every implementation obeys ``tests/contract/test_store_contract.py``. The logic that does not
 depend on the database (validation, backoff, bounding error text) lives here, once.
 """
@@ -178,6 +180,35 @@ class TransactionalSubmit(Protocol):
 
         ``dispatched``: ``then`` admits every created ``ready`` item, so the insert stamps its
         dispatch time. If ``then`` raises, nothing of the submit is kept.
+        """
+
+
+@runtime_checkable
+class TransactionalCommit(Protocol):
+    """A store that runs a caller's step inside the transaction of a commit that releases
+    dependents (SQLite, PostgreSQL): with the queue in the same database, the dependents are
+    admitted by the very commit that makes them ``ready``, not by the next recovery sweep.
+    """
+
+    @property
+    def database_identity(self) -> str:
+        """Which database this store writes (see :class:`TransactionalSubmit`)."""
+
+    def commit_in_transaction(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        then: Callable[[Any, list[WorkItem]], None],
+        *,
+        error: str | None = None,
+    ) -> CommitResult:
+        """``commit(lease, outcome, error=error)`` (terminal); when it releases dependents,
+        ``then(conn, released)`` runs in the SAME transaction, and their dispatch time is stamped.
+
+        ``then`` and the stamp run under a savepoint: if ``then`` raises, only its own work is
+        undone, the exception is logged and the commit stands (the released items stay ready and
+        undispatched, for the caller or the recovery sweep). ``CommitResult.released`` lists the
+        released items either way.
         """
 
 

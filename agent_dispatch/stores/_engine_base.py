@@ -130,8 +130,10 @@ class EngineBase(ABC):
                 self._cancel_row(tx, child, dependency_reason(parent.id, parent.state), Event.CANCEL)
                 frontier.append(child)
 
-    def _release(self, tx: Tx, root: Row) -> None:
-        """A dependency succeeded: dependents whose dependencies all succeeded become ready now."""
+    def _release(self, tx: Tx, root: Row) -> list[Row]:
+        """A dependency succeeded: dependents whose dependencies all succeeded become ready now
+        (returned, for the committer to dispatch)."""
+        released: list[Row] = []
         for child_id in tx.dependents(root.id):
             child = tx.load(child_id)
             # Only a waiting dependent counts down; a cancelled one stays as it is.
@@ -144,6 +146,8 @@ class EngineBase(ABC):
             tx.save(child)
             if child.state is WorkState.READY:
                 self._event(tx, child, Event.READY, detail=f"dependency {root.id} succeeded")
+                released.append(child)
+        return released
 
     def _event(
         self,

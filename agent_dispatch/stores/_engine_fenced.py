@@ -7,7 +7,7 @@ the same token answers as the first did.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from agent_dispatch.errors import InvalidRequest
 from agent_dispatch.models import (
@@ -32,6 +32,7 @@ from agent_dispatch.stores._common import (
     view_of,
 )
 from agent_dispatch.stores._engine_base import EngineBase
+from agent_dispatch.stores._engine_rows import Tx
 
 
 class FencedCalls(EngineBase):
@@ -123,6 +124,17 @@ class FencedCalls(EngineBase):
         if outcome is Outcome.FAILED and retryable:
             item, repeated = self._retry(lease, error)
             return CommitResult(item, repeated=repeated)
+        return self._commit(lease, outcome, error)
+
+    def _commit(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        error: str | None,
+        then: Callable[[Tx, list[WorkItem]], None] | None = None,
+    ) -> CommitResult:
+        """The terminal commit; ``then(tx, released)`` runs in its transaction when it releases
+        dependents (the SQLite store's ``commit_in_transaction``)."""
         with self._write() as tx:
             row = tx.load(lease.work_item_id)
             if row is not None and repeated_commit(
@@ -131,11 +143,14 @@ class FencedCalls(EngineBase):
                 return CommitResult(make_item(row.record()), repeated=True)
             row = self._fenced(tx, lease, row)
             self._commit_row(tx, row, lease, outcome, bound_error(error))
+            released: list[WorkItem] = []
             if outcome is Outcome.SUCCEEDED:
-                self._release(tx, row)
+                released = [make_item(child.record()) for child in self._release(tx, row)]
+                if released and then is not None:
+                    then(tx, released)
             else:
                 self._cascade(tx, row)
-            return CommitResult(make_item(row.record()))
+            return CommitResult(make_item(row.record()), released=tuple(released))
 
     def commit_many(self, commits: Sequence[tuple[Lease, Outcome, str | None]]) -> dict[str, WorkItem]:
         wanted = distinct_commits(commits)

@@ -20,6 +20,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -27,7 +28,16 @@ from agent_dispatch.db import sql
 from agent_dispatch.db.migrate import ComponentVersions, Schema, apply, require
 from agent_dispatch.db.sqlite import ThreadConnections
 from agent_dispatch.errors import BackendUnavailable, DispatchError
-from agent_dispatch.models import Outcome, OutcomeRecord, SubmitRequest, SubmitResult, WorkItem, WorkState
+from agent_dispatch.models import (
+    CommitResult,
+    Lease,
+    Outcome,
+    OutcomeRecord,
+    SubmitRequest,
+    SubmitResult,
+    WorkItem,
+    WorkState,
+)
 from agent_dispatch.settings import Settings
 from agent_dispatch.settings import load as load_settings
 from agent_dispatch.store import SCHEMA_VERSION
@@ -41,7 +51,8 @@ from agent_dispatch.stores._common import (
     to_dt,
 )
 from agent_dispatch.stores._engine import EngineStore
-from agent_dispatch.stores._engine_rows import ROW_FIELDS, Row
+from agent_dispatch.stores._engine_rows import ROW_FIELDS, Row, Tx
+from agent_dispatch.stores._release import dispatch_released
 from agent_dispatch.stores._sqlite_inspect import SqliteInspectTx
 
 T: Final = "agent_dispatch_work_items"
@@ -218,6 +229,19 @@ class _SqliteTx(SqliteInspectTx):
         )
 
 
+@contextmanager
+def _savepoint(conn: sqlite3.Connection) -> Iterator[None]:
+    """A savepoint inside the open transaction: rolled back alone if the block raises."""
+    conn.execute("SAVEPOINT dispatch_released")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK TO SAVEPOINT dispatch_released")
+        conn.execute("RELEASE SAVEPOINT dispatch_released")
+        raise
+    conn.execute("RELEASE SAVEPOINT dispatch_released")
+
+
 class SqliteStore(EngineStore):
     """WorkItemStore on one SQLite file (shared safely by threads and local processes)."""
 
@@ -324,6 +348,24 @@ class SqliteStore(EngineStore):
             if dispatched:
                 tx.touch_dispatched([item.id for item in created if item.state is WorkState.READY])
         return [outcomes[i] for i in range(len(requests))]
+
+    def commit_in_transaction(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        then: Callable[[sqlite3.Connection, list[WorkItem]], None],
+        *,
+        error: str | None = None,
+    ) -> CommitResult:
+        """``commit``; the dependents it releases are handed to ``then(conn, released)`` in the
+        same write transaction (the queue in this file admits them there) and stamped dispatched.
+        See :meth:`agent_dispatch.store.TransactionalCommit.commit_in_transaction`."""
+
+        def in_commit(tx: Tx, released: list[WorkItem]) -> None:
+            assert isinstance(tx, _SqliteTx)
+            dispatch_released(partial(_savepoint, tx.conn), then, tx.conn, released, tx.touch_dispatched)
+
+        return self._commit(lease, Outcome(outcome), error, in_commit)
 
     # --- leader election ---------------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from agent_dispatch.transport import AckMany, Delivery, Transport
 from agent_dispatch.worker import _metrics as m
 from agent_dispatch.worker._batch import BUSY_DELAY_S, Batch, InFlight
 from agent_dispatch.worker._executors import Executor, TurnFailed, run_executor
+from agent_dispatch.worker._release import Committer
 
 log = logging.getLogger("agent_dispatch.worker")
 
@@ -88,6 +89,7 @@ class Worker:
         # Unknown until a turn has run: claim one at a time until turns prove short.
         self._turn_s: float | None = None
         self.renewer = LeaseRenewer(f"lease-renewer-{self.worker_id}")
+        self.committer = Committer(store, transport, signing_key=signing_key)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -336,12 +338,13 @@ class Worker:
         return outcome
 
     def _commit_durably(self, lease: Lease, outcome: Outcome, *, error: str | None = None) -> None:
-        """Commit; when the database drops the connection mid-commit (a restart), the outcome is
-        unknown, so ask again: a fenced commit is idempotent per lease, and a repeat reports
-        whether the first one had applied. Fencing errors are answers, not doubts: they propagate."""
+        """Commit, dispatching the dependents it releases (:class:`Committer`); when the database
+        drops the connection mid-commit (a restart), the outcome is unknown, so ask again: a fenced
+        commit is idempotent per lease, and a repeat reports whether the first one had applied.
+        Fencing errors are answers, not doubts: they propagate."""
         for attempt in range(3):
             try:
-                self.store.commit(lease, outcome, error=error)
+                self.committer.commit(lease, outcome, error=error)
                 return
             except Exception as exc:
                 # Fencing errors are answers; an unreachable store or an unclassified driver

@@ -29,7 +29,7 @@ row is locked, so it sees any dependent whose submit committed while it waited f
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -51,6 +51,7 @@ from agent_dispatch.stores._common import (
     make_lease,
     repeated_commit,
 )
+from agent_dispatch.stores._release import dispatch_released
 from agent_dispatch.stores.postgres._base import Conn
 from agent_dispatch.stores.postgres._inspect import Inspecting
 from agent_dispatch.stores.postgres._submit import Submitting
@@ -199,6 +200,28 @@ class PostgresStore(Inspecting, Submitting):
         if outcome is Outcome.FAILED and retryable:
             item, repeated = self._retry(lease, error)
             return CommitResult(item, repeated=repeated)
+        return self._commit(lease, outcome, error)
+
+    def commit_in_transaction(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        then: Callable[[Conn, list[WorkItem]], None],
+        *,
+        error: str | None = None,
+    ) -> CommitResult:
+        """``commit``; the dependents it releases are handed to ``then(conn, released)`` in the
+        same transaction (the queue in this database admits them there) and stamped dispatched.
+        See :meth:`agent_dispatch.store.TransactionalCommit.commit_in_transaction`."""
+        return self._commit(lease, Outcome(outcome), error, then)
+
+    def _commit(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        error: str | None,
+        then: Callable[[Conn, list[WorkItem]], None] | None = None,
+    ) -> CommitResult:
         params = self._fence_params(
             lease, state=COMMIT_STATE[outcome].value, outcome=outcome.value, error=bound_error(error)
         )
@@ -218,11 +241,17 @@ class PostgresStore(Inspecting, Submitting):
                     assert again is not None
                     return CommitResult(make_item(again), repeated=True)
                 raise self._refused(conn, lease)
+            released: list[WorkItem] = []
             if rec["has_dependents"]:
-                self._settle_dependents(conn, rec["id"], WorkState(rec["state"]))
-            return CommitResult(make_item(rec))
+                released = self._settle_dependents(conn, rec["id"], WorkState(rec["state"]))
+            if released and then is not None:
+                dispatch_released(conn.transaction, then, conn, released, partial(self._stamp, conn))
+            return CommitResult(make_item(rec), released=tuple(released))
 
         return self._run(run)
+
+    def _stamp(self, conn: Conn, work_item_ids: list[str]) -> None:
+        conn.execute(MARK_DISPATCHED, self._p(ids=work_item_ids))
 
     def commit_many(self, commits: Sequence[tuple[Lease, Outcome, str | None]]) -> dict[str, WorkItem]:
         wanted = distinct_commits(commits)
@@ -327,11 +356,13 @@ class PostgresStore(Inspecting, Submitting):
 
     # --- dependencies ------------------------------------------------------------------------------------------
 
-    def _settle_dependents(self, conn: Conn, parent: str, state: WorkState) -> None:
+    def _settle_dependents(self, conn: Conn, parent: str, state: WorkState) -> list[WorkItem]:
+        """Release (``parent`` succeeded) or cancel its dependents; returns those made ready."""
         if state is WorkState.SUCCEEDED:
-            conn.execute(RELEASE, self._p(parent=parent))
-        elif state in DEPENDENCY_FAILED:
+            return [make_item(rec) for rec in conn.execute(RELEASE, self._p(parent=parent)).fetchall()]
+        if state in DEPENDENCY_FAILED:
             self._cascade(conn, parent, state)
+        return []
 
     def _cascade(self, conn: Conn, root: str, state: WorkState) -> None:
         """Cancel dependents level by level, each level a statement that sees the one before."""

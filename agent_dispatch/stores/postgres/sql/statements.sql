@@ -296,6 +296,8 @@ WITH upd AS (
 SELECT id, state, has_dependents FROM upd
 
 -- name: release
+-- A dependency succeeded: count its waiting dependents down; those at zero become ready and are
+-- returned, for the committer to dispatch in the same transaction (or right after it).
 WITH upd AS (
     UPDATE agent_dispatch_work_items w SET pending_deps = greatest(w.pending_deps - 1, 0),
         state = CASE WHEN w.pending_deps <= 1 THEN 'ready' ELSE 'submitted' END,
@@ -309,7 +311,7 @@ WITH upd AS (
            'dependency ' || %(parent)s || ' succeeded'
     FROM upd WHERE state = 'ready'
 )
-SELECT count(*) AS n FROM upd
+SELECT * FROM upd WHERE state = 'ready'
 
 -- name: recoverable
 (SELECT {item} FROM agent_dispatch_work_items
