@@ -30,6 +30,7 @@ OURS = "agent-dispatch"
 RAW_PG = "raw psycopg loop"
 RAW_SQLITE = "raw sqlite3 loop"
 RAW_KAFKA = "raw confluent-kafka loop"
+RAW_KAFKA_STORE = "raw confluent-kafka + psycopg loop"
 #: Environment without anything of ours that a developer may have exported.
 BASE_ENV = {
     k: v

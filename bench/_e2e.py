@@ -329,6 +329,21 @@ def kafka_raw(bootstrap: str, count: int) -> float:
         bench.cleanup()
 
 
+def kafka_raw_with_store(bootstrap: str, dsn: str, count: int) -> float:
+    """The bare loop plus the WorkItem writes the design requires (bench/_raw_kafka_store.py)."""
+    from bench import _raw_kafka_store
+    from bench.kafka_bench import Bench, make_turns, producer_config
+
+    bench = Bench(bootstrap, 2 * CONCURRENCY)
+    try:
+        wires = [turn.wire for turn in make_turns(count)]
+        return _raw_kafka_store.run(
+            bootstrap, bench.topic("e2e-raw-store"), dsn, wires, producer_config(bootstrap)
+        )
+    finally:
+        bench.cleanup()
+
+
 def run_rounds(
     drivers: list[tuple[str, Callable[[], Driver]]],
     *,

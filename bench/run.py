@@ -31,6 +31,7 @@ from bench._common import (
     CONCURRENCY,
     OURS,
     RAW_KAFKA,
+    RAW_KAFKA_STORE,
     RAW_PG,
     RAW_SQLITE,
     ROOT,
@@ -139,6 +140,10 @@ def measure(mode: str, command: str, only: set[str] | None) -> dict[str, Any]:
 
     with PostgresServer() as pg:
         dbs = Databases(pg)
+
+        def fresh(name: str) -> str:
+            return dbs.fresh(name)[1]
+
         results.data["versions"] = {
             "postgresql": pg.version,
             "node": tool_version(["node", "--version"]),
@@ -194,6 +199,14 @@ def measure(mode: str, command: str, only: set[str] | None) -> dict[str, Any]:
                             record(RAW_KAFKA, 1, rate, None)
                         except Exception as exc:
                             record(RAW_KAFKA, 1, None, f"{type(exc).__name__}: {exc}"[:200])
+                        try:
+                            rate = _e2e.kafka_raw_with_store(
+                                broker.bootstrap, fresh("raw_kafka_store"), max(cfg["other_turns"], 20_000)
+                            )
+                            say(f"round {round_no}: {RAW_KAFKA_STORE:<28} {rate:8.1f} turns/s")
+                            record(RAW_KAFKA_STORE, 1, rate, None)
+                        except Exception as exc:
+                            record(RAW_KAFKA_STORE, 1, None, f"{type(exc).__name__}: {exc}"[:200])
                         _e2e.run_rounds(
                             [(OURS, lambda: OursDriver("kafka", dbs, broker.bootstrap))],
                             processes=[1],
@@ -205,9 +218,6 @@ def measure(mode: str, command: str, only: set[str] | None) -> dict[str, Any]:
                 return {}
 
             results.section("kafka_run", kafka)
-
-        def fresh(name: str) -> str:
-            return dbs.fresh(name)[1]
 
         if wanted("claim"):
             results.section(
