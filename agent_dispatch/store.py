@@ -30,7 +30,7 @@ from agent_dispatch.models import (
 )
 
 #: Schema version this code needs; stores refuse older databases (run ``agent-dispatch migrate``).
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 MAX_ERROR_CHARS: Final = 2000
 MAX_TENANT_CHARS: Final = 200
 
@@ -228,6 +228,27 @@ class BatchSubmit(Protocol):
         Each request gets its own outcome, in order. A ``DispatchError`` of the batch as a whole
         (raised by ``then``, or a failed transaction) keeps nothing and propagates.
         """
+
+
+@runtime_checkable
+class CountsUnfinished(Protocol):
+    """A store that keeps an O(1) count of its unfinished WorkItems and admits against it.
+
+    Unfinished: ``submitted``, ``ready``, ``leased`` or ``running`` (accepted and not yet in a
+    terminal state, whether or not a delivery exists for it). The database keeps the count with
+    every transition (triggers), so re-driven duplicates, redeliveries and unacknowledged
+    messages never move it. The admission bound when the queue lives outside the store's
+    database (Kafka): see ``agent_dispatch.dispatch.Counted``.
+    """
+
+    def unfinished(self) -> int:
+        """How many WorkItems are unfinished now (one row read, never ``COUNT(*)``)."""
+
+    def admit_unfinished(self, conn: Any, created: Sequence[WorkItem], bound: int) -> None:
+        """Compare-and-admit as the ``then`` step of :meth:`TransactionalSubmit.submit_in_transaction`
+        or :meth:`BatchSubmit.submit_many_in_transaction`: ``QueueFull`` (the submit keeps
+        nothing) when the unfinished items among ``created`` would take the count past ``bound``.
+        With none among them (a replay creates nothing) it never refuses."""
 
 
 @dataclass(frozen=True)

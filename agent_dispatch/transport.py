@@ -1,9 +1,8 @@
 """How turns travel to workers: one small Protocol, implementations in ``agent_dispatch.transports``.
 
 Beside it, the optional capabilities a transport may have, each a Protocol of its own:
-:class:`AckMany` (acknowledge a batch at once), :class:`AdmitOnConnection` (admit inside the
-WorkItem store's transaction when both share one database) and :class:`Reserving` (hold room
-under the bound before the WorkItems exist). Every implementation obeys
+:class:`AckMany` (acknowledge a batch at once) and :class:`AdmitOnConnection` (admit inside the
+WorkItem store's transaction when both share one database). Every implementation obeys
 ``tests/contract/test_transport_contract.py``, capabilities included. A transport carries
 signed envelope bytes (see :mod:`agent_dispatch.envelope`); it never interprets them beyond the
 routing keys it is handed, and it never decides a WorkItem's fate.
@@ -85,7 +84,11 @@ class Transport(Protocol):
         """Give the delivery back for redelivery after ``delay_s`` (never dropped)."""
 
     def depth(self) -> int:
-        """Accepted, not yet acknowledged turns; ``DepthUnavailable`` when it cannot be measured."""
+        """Queued, not yet acknowledged deliveries; ``DepthUnavailable`` when it cannot be measured.
+
+        The database queues count each turn once. Kafka reports the consumer-group lag, which
+        also counts re-driven duplicates and acknowledged offsets not yet committed: a signal for
+        autoscaling, not the admission bound (see ``agent_dispatch.dispatch.Counted``)."""
 
     def close(self) -> None: ...
 
@@ -112,26 +115,3 @@ class AdmitOnConnection(Protocol):
         ``QueueFull`` propagates (the caller rolls back); a turn that already has a queued
         delivery is skipped, never queued twice.
         """
-
-
-@runtime_checkable
-class Reservation(Protocol):
-    """Room under the bound, held for turns not admitted yet (counted as queued until then)."""
-
-    @property
-    def remaining(self) -> int: ...
-
-    def admit(self, turns: Sequence[OutboundTurn]) -> None:
-        """Place ``turns`` in the reserved room (no bound check); more than ``remaining`` is a bug."""
-
-    def release(self) -> None:
-        """Give back the room not admitted (idempotent)."""
-
-
-@runtime_checkable
-class Reserving(Protocol):
-    """A transport that can reserve room under the bound before the WorkItems exist (Kafka)."""
-
-    def reserve(self, count: int, *, partial: bool = False) -> Reservation:
-        """Hold room for ``count`` turns (``partial``: as many as fit, at least one), or raise
-        ``QueueFull`` / ``DepthUnavailable``."""

@@ -1,8 +1,9 @@
 """The enqueue path and the recovery re-drive, on real stores and real database transports.
 
 Four layouts: the queue in the WorkItem store's own database (SQLite file, PostgreSQL database),
-where submit and admit are one transaction, and the queue in a different database, where a
-failed admission must cancel the submitted WorkItem.
+where submit and admit are one transaction, and the queue in a different database, where the
+store's count of unfinished WorkItems is the bound (``dispatch.Counted``, as on Kafka): compared
+and admitted in the submit's transaction, so a refusal keeps nothing there either.
 """
 
 from __future__ import annotations
@@ -131,16 +132,28 @@ def enqueue(layout: Layout, request: SubmitRequest) -> SubmitResult:
 
 
 def fill_queue_after_the_precheck(layout: Layout) -> None:
-    """A concurrent submitter takes the last slot between our depth pre-check and our admission."""
-    real_depth = layout.transport.depth
+    """A concurrent submitter takes the last slot between our pre-check and our admission."""
+    if layout.shared:
+        real_depth = layout.transport.depth
 
-    def depth() -> int:
-        measured = real_depth()
-        layout.transport.depth = real_depth  # once
-        layout.transport.admit([OutboundTurn(f"other-{uuid.uuid4().hex}", "s", "tenant-b", b"{}")])
+        def depth() -> int:
+            measured = real_depth()
+            layout.transport.depth = real_depth  # once
+            layout.transport.admit([OutboundTurn(f"other-{uuid.uuid4().hex}", "s", "tenant-b", b"{}")])
+            return measured
+
+        layout.transport.depth = depth
+        return
+    # The store's count is the bound: the other submitter goes through the store too.
+    real_unfinished = layout.store.unfinished  # type: ignore[attr-defined]
+
+    def unfinished() -> int:
+        measured: int = real_unfinished()
+        layout.store.unfinished = real_unfinished  # type: ignore[attr-defined]  # once
+        assert enqueue(layout, request_for(f"other-{uuid.uuid4().hex}", tenant="tenant-b")).created
         return measured
 
-    layout.transport.depth = depth
+    layout.store.unfinished = unfinished  # type: ignore[attr-defined]
 
 
 def test_enqueue_admits_a_signed_envelope_of_the_item(make_layout: Callable[..., Layout]) -> None:
@@ -173,16 +186,9 @@ def test_admission_refused_after_submit(make_layout: Callable[..., Layout]) -> N
     fill_queue_after_the_precheck(layout)
     with pytest.raises(QueueFull):
         enqueue(layout, request_for("k-refused"))
-    item_id = deterministic_id("tenant-a", "k-refused")
-    if layout.shared:
-        # One transaction: the refused admission took the WorkItem with it.
-        with pytest.raises(NotFound):
-            layout.store.get(item_id)
-    else:
-        # Separate databases: the WorkItem exists but is cancelled, saying why (no orphan).
-        item = layout.store.get(item_id)
-        assert item.state is WorkState.CANCELLED
-        assert item.error is not None and "admission failed" in item.error
+    # One transaction (with the queue, or with the count): the refusal took the WorkItem with it.
+    with pytest.raises(NotFound):
+        layout.store.get(deterministic_id("tenant-a", "k-refused"))
     assert layout.transport.depth() == 1  # only the other submitter's turn
 
 
@@ -246,11 +252,15 @@ def test_a_backend_failure_after_submit_leaves_the_item_for_the_sweep(
         enqueue(layout, request_for("k-unknown"))
     item_id = deterministic_id("tenant-a", "k-unknown")
     assert layout.store.get(item_id).state is WorkState.READY
-    assert [i.id for i in layout.store.recoverable(stale_after_s=60)] == [item_id]
+    # Stamped as dispatched by its insert: the sweep re-drives it once that stamp is stale.
+    assert [i.id for i in layout.store.recoverable(stale_after_s=0)] == [item_id]
     retry = enqueue(layout, request_for("k-unknown"))
     assert (retry.created, retry.item.id, retry.item.state) == (False, item_id, WorkState.READY)
     layout.transport.admit = real_admit
-    assert dispatch.redrive(layout.store, layout.transport, settings=layout.settings, signing_key=KEY) == 1
+    redriven = dispatch.redrive(
+        layout.store, layout.transport, settings=layout.settings, signing_key=KEY, stale_after_s=0
+    )
+    assert redriven == 1
     (delivery,) = layout.transport.claim("worker")
     assert delivery.work_item_id == item_id
 
@@ -292,12 +302,8 @@ def test_enqueue_many_accepts_what_fits_and_answers_each(make_layout: Callable[.
     assert layout.transport.depth() == 3
     for request, outcome in zip(requests, outcomes, strict=True):
         if isinstance(outcome, QueueFull):
-            item_id = deterministic_id("tenant-a", request.idempotency_key or "")
-            if layout.shared:
-                with pytest.raises(NotFound):
-                    layout.store.get(item_id)
-            else:
-                assert layout.store.get(item_id).state is WorkState.CANCELLED
+            with pytest.raises(NotFound):  # a refusal keeps nothing, in every layout
+                layout.store.get(deterministic_id("tenant-a", request.idempotency_key or ""))
 
 
 def test_redrive_readmits_undispatched_items_only_while_leading(make_layout: Callable[..., Layout]) -> None:

@@ -8,9 +8,10 @@ start-up). The contract (docs/gateway.md, "Idempotency and refusals"):
 - A refusal (``QueueFull``, ``DepthUnavailable``) leaves nothing under the request's idempotency
   key: a retry with the same key is admitted once there is room, as the same WorkItem. When the
   queue and the WorkItem store share one database (PostgreSQL, or the SQLite file), submit and
-  admit run in ONE transaction. A transport that can reserve room (Kafka) is asked for it before
-  the submit. Otherwise (a queue in another database: test layouts only) a refusal after the
-  submit cancels the WorkItem with the reason, and that key is spent.
+  admit run in ONE transaction. With the queue elsewhere (Kafka) the store's count of unfinished
+  WorkItems is the bound, compared and admitted in the submit's transaction, and the envelope is
+  produced after it. Otherwise (a store without that count: the in-memory one of unit tests) a
+  refusal after the submit cancels the WorkItem with the reason, and that key is spent.
 - A replay of an accepted key returns its WorkItem and admits nothing, also while the queue is
   full or its depth unknown (the refusal gives way to the existing item).
 - A backend failure after the submit (the broker did not confirm the message, the queue's
@@ -30,8 +31,8 @@ from collections.abc import Sequence
 from agent_dispatch.dispatch._admission import (
     Admission,
     AfterSubmit,
+    Counted,
     OneTransaction,
-    Reserved,
     choose_admission,
     shares_database,
 )
@@ -77,8 +78,8 @@ __all__ = [
     "RECOVERY_LEADER",
     "Admission",
     "AfterSubmit",
+    "Counted",
     "OneTransaction",
-    "Reserved",
     "build_turn",
     "check_envelope_fields",
     "choose_admission",

@@ -2,9 +2,11 @@
 
 - :class:`OneTransaction`: the queue lives in the WorkItem store's database (PostgreSQL, or the
   SQLite file). Submit and admit run in ONE transaction, so a refusal keeps nothing.
-- :class:`Reserved`: the transport reserves room under the bound before the WorkItem exists
-  (Kafka), so a refusal comes before anything is stored.
-- :class:`AfterSubmit`: anything else (a queue in another database: test layouts only). A refusal
+- :class:`Counted`: the queue lives elsewhere (Kafka) and the store counts its unfinished
+  WorkItems: the bounded submit compares and admits against that count in its own transaction,
+  so a refusal keeps nothing, and the envelopes are produced after it.
+- :class:`AfterSubmit`: anything else (a store without the count: the in-memory one of the unit
+  tests, with a transport in another place). A refusal
   after the submit cancels the WorkItem with the reason, and that key is spent.
 """
 
@@ -23,7 +25,6 @@ from agent_dispatch.dispatch._turns import (
     check_envelope_fields,
     mark_dispatched,
     precheck,
-    replay_or_error,
     replay_or_raise,
     sealable,
     settled,
@@ -32,8 +33,8 @@ from agent_dispatch.dispatch._turns import (
 from agent_dispatch.errors import DispatchError, QueueFull
 from agent_dispatch.models import SubmitRequest, SubmitResult, WorkItem
 from agent_dispatch.settings import Settings
-from agent_dispatch.store import BatchSubmit, TransactionalSubmit, WorkItemStore
-from agent_dispatch.transport import AdmitOnConnection, OutboundTurn, Reservation, Reserving, Transport
+from agent_dispatch.store import BatchSubmit, CountsUnfinished, TransactionalSubmit, WorkItemStore
+from agent_dispatch.transport import AdmitOnConnection, OutboundTurn, Transport
 
 
 class Admission(Protocol):
@@ -72,8 +73,8 @@ class _Strategy:
     def _turns(self, items: Sequence[WorkItem]) -> list[OutboundTurn]:
         return [build_turn(item, signing_key=self.signing_key) for item in items]
 
-    def _admit_after_submit(self, items: Sequence[WorkItem], reservation: Reservation | None = None) -> None:
-        """Admit stored ``items`` (in ``reservation`` if given, else under the bound), or raise.
+    def _admit_after_submit(self, items: Sequence[WorkItem]) -> None:
+        """Admit stored ``items`` under the transport's bound, or raise.
 
         A refusal cancels them with the reason (a refused turn must never run). Any other failure
         (the broker did not confirm, the queue's database failed) leaves them ready and
@@ -82,23 +83,17 @@ class _Strategy:
         """
         if not items:
             return
-        turns = self._turns(items)
         try:
-            if reservation is not None:
-                reservation.admit(turns)
-            else:
-                self.transport.admit(turns, bounded=True)
+            self.transport.admit(self._turns(items), bounded=True)
         except REFUSALS as exc:
             cancel_unadmitted(self.store, items, exc)
             raise
 
-    def _submit_and_admit(
-        self, request: SubmitRequest, reservation: Reservation | None = None
-    ) -> SubmitResult:
+    def _submit_and_admit(self, request: SubmitRequest) -> SubmitResult:
         result = self.store.submit(request)
         if not (result.created and admittable(result.item)):
             return result
-        self._admit_after_submit([result.item], reservation)
+        self._admit_after_submit([result.item])
         mark_dispatched(self.store, [result.item.id])
         return result
 
@@ -177,77 +172,105 @@ class OneTransaction(_Strategy):
         return settled(outcomes)
 
 
-class Reserved(_Strategy):
-    """Reserve room first (Kafka), so a refusal comes before anything is stored."""
+class Counted(_Strategy):
+    """The store's count of unfinished WorkItems is the bound (Kafka): compared and admitted as the
+    last step of the submit's own transaction, so a refusal keeps nothing; the envelopes are
+    produced after the commit.
 
-    NEEDS = "a transport that can reserve room"
+    The transport's depth (Kafka: the consumer-group lag, which counts re-driven duplicates and
+    offsets not yet committed) is not the bound; it is probed only because an unreachable broker
+    must refuse before anything is stored (``DepthUnavailable``), and it stays the autoscaling
+    signal. The envelopes go out with ``bounded=False``: the store has admitted them already.
+    """
+
+    NEEDS = "a store that counts its unfinished WorkItems and submits in a transaction"
 
     def _bind(self) -> None:
-        assert isinstance(self.transport, Reserving)
-        self._reserving = self.transport
+        store = self.store
+        assert isinstance(store, CountsUnfinished) and isinstance(store, TransactionalSubmit)
+        self._counter = store
+        self._submitter = store
+        self._batch = store if isinstance(store, BatchSubmit) else None
 
     @classmethod
     def fits(cls, store: WorkItemStore, transport: Transport) -> bool:
-        return isinstance(transport, Reserving)
+        return isinstance(store, CountsUnfinished) and isinstance(store, TransactionalSubmit)
+
+    def _precheck(self) -> None:
+        """Cheap fail-closed checks before any write: the broker answers, and the count has room.
+
+        Not authoritative (the bounded submit is); they spare a full queue a transaction per
+        refused request. ``DepthUnavailable``/``QueueFull`` propagate.
+        """
+        self.transport.depth()  # its value is a signal only; a failed probe refuses
+        unfinished = self._counter.unfinished()
+        if unfinished >= self.settings.max_depth:
+            raise QueueFull(f"{unfinished} unfinished turns are at the bound {self.settings.max_depth}")
+
+    def _admit_one(self, conn: Any, item: WorkItem) -> None:
+        self._counter.admit_unfinished(conn, [item], self.settings.max_depth)
+
+    def _admit_all(self, conn: Any, items: list[WorkItem]) -> None:
+        self._counter.admit_unfinished(conn, items, self.settings.max_depth)
+
+    def _one(self, request: SubmitRequest) -> SubmitResult:
+        # The insert stamps the dispatch time: the produce follows at once.
+        result = self._submitter.submit_in_transaction(request, self._admit_one, dispatched=True)
+        if result.created and admittable(result.item):
+            # Not confirmed (``DeliveryFailed``): the item stays ready, stamped, for the recovery
+            # sweep, and the error propagates (the caller's outcome is unknown, as documented).
+            self.transport.admit(self._turns([result.item]), bounded=False)
+        return result
 
     def enqueue(self, request: SubmitRequest) -> SubmitResult:
         check_envelope_fields(request)
         try:
-            reservation = self._reserving.reserve(1)
+            self._precheck()
         except REFUSALS as exc:
             return replay_or_raise(self.store, request, exc)
-        try:
-            return self._submit_and_admit(request, reservation)
-        finally:
-            reservation.release()
+        return self._one(request)
 
     def enqueue_many(self, requests: Sequence[SubmitRequest]) -> Outcomes:
-        """As much room as there is for the batch is reserved first; requests are submitted in
-        order (a batch per store transaction) while room is left (a replay takes none); the rest
-        can only be replays, else they get ``QueueFull`` with nothing stored. The new items are
-        then produced in one batch in the reserved room, and what is left of it is released.
-        """
+        """The batch in one bounded transaction when it fits whole; else one by one, so as many as
+        fit are accepted in order and the rest get ``QueueFull`` (a replay is always answered).
+        The new ready items are produced in one batch at the end."""
+        try:
+            self._precheck()
+        except REFUSALS as exc:
+            return [answer_refused(self.store, request, exc) for request in requests]
         outcomes: list[SubmitResult | DispatchError | None] = [None] * len(requests)
         valid = sealable(requests, outcomes)
-        if not valid:
-            return settled(outcomes)
-        try:
-            reservation = self._reserving.reserve(len(valid), partial=True)
-        except REFUSALS as exc:
-            for index in valid:
-                outcomes[index] = replay_or_error(self.store, requests[index], exc)
-            return settled(outcomes)
-        to_mark: list[str] = []
-        try:
-            fresh: list[tuple[int, WorkItem]] = []
-            stamped: set[str] = set()  # dispatch time already stamped by the batch insert
-            pending = valid
-            while pending:
-                room = reservation.remaining - len(fresh)
-                if room <= 0:
-                    break
-                take, pending = pending[:room], pending[room:]
-                submitted, stamps = submit_each(self.store, [requests[i] for i in take])
-                for position, result in submitted:
-                    outcomes[take[position]] = result
-                    if isinstance(result, SubmitResult) and result.created and admittable(result.item):
-                        fresh.append((take[position], result.item))
-                        if stamps:
-                            stamped.add(result.item.id)
-            full = QueueFull(f"no room left under the depth bound {self.settings.max_depth} in this batch")
-            for index in pending:
-                outcomes[index] = replay_or_error(self.store, requests[index], full)
-            items = [item for _, item in fresh]
+        results: list[SubmitResult | DispatchError] | None = None
+        if self._batch is not None and valid and not any(requests[i].depends_on for i in valid):
             try:
-                reservation.admit(self._turns(items))
-                to_mark = [item.id for item in items if item.id not in stamped]
+                results = self._batch.submit_many_in_transaction(
+                    [requests[i] for i in valid], self._admit_all, dispatched=True
+                )
+            except DispatchError:
+                results = None  # nothing of the batch was kept (no room for all): one by one below
+        if results is None:
+            results = []
+            for index in valid:
+                try:
+                    results.append(
+                        self._submitter.submit_in_transaction(
+                            requests[index], self._admit_one, dispatched=True
+                        )
+                    )
+                except DispatchError as exc:
+                    results.append(exc)
+        fresh: list[tuple[int, WorkItem]] = []
+        for index, result in zip(valid, results, strict=True):
+            outcomes[index] = result
+            if isinstance(result, SubmitResult) and result.created and admittable(result.item):
+                fresh.append((index, result.item))
+        if fresh:
+            try:
+                self.transport.admit(self._turns([item for _, item in fresh]), bounded=False)
             except DispatchError as exc:
-                # The broker did not confirm them: left ready for the recovery sweep to re-drive.
+                # Not confirmed: left ready (stamped) for the recovery sweep; each caller is told.
                 for index, _ in fresh:
                     outcomes[index] = exc
-        finally:
-            reservation.release()
-        mark_dispatched(self.store, to_mark)
         return settled(outcomes)
 
 
@@ -317,5 +340,5 @@ def choose_admission(
 ) -> Admission:
     """The strategy for this pair, from the capabilities the two implement (see the module docstring):
     the first of these, in this order of preference, that fits the pair (``AfterSubmit`` fits any)."""
-    strategy = next(s for s in (OneTransaction, Reserved, AfterSubmit) if s.fits(store, transport))
+    strategy = next(s for s in (OneTransaction, Counted, AfterSubmit) if s.fits(store, transport))
     return strategy(store, transport, signing_key=signing_key, settings=settings)

@@ -27,7 +27,7 @@ from typing import Any, Final
 from agent_dispatch.db import sql
 from agent_dispatch.db.migrate import ComponentVersions, Schema, apply, require
 from agent_dispatch.db.sqlite import ThreadConnections
-from agent_dispatch.errors import BackendUnavailable, DispatchError
+from agent_dispatch.errors import BackendUnavailable, DispatchError, QueueFull
 from agent_dispatch.models import (
     CommitResult,
     Lease,
@@ -67,7 +67,12 @@ SCHEMA: Final = Schema(
     title="the WorkItem schema in the SQLite database",
     version=SCHEMA_VERSION,
     record=ComponentVersions("sqlite", COMPONENT),
-    steps={1: tuple(sql.load(__package__ or "agent_dispatch.stores", "sql/sqlite_v1.sql").values())},
+    steps={
+        version: tuple(
+            sql.load(__package__ or "agent_dispatch.stores", f"sql/sqlite_v{version}.sql").values()
+        )
+        for version in range(1, SCHEMA_VERSION + 1)
+    },
     hint=MIGRATE_HINT,
 )
 
@@ -294,6 +299,25 @@ class SqliteStore(EngineStore):
     def database_identity(self) -> str:
         """Which database file this store writes; the enqueue path compares it with the transport's."""
         return f"sqlite:{self.path.resolve()}"
+
+    def unfinished(self) -> int:
+        """How many WorkItems are unfinished (the counter the v2 triggers keep)."""
+        with self._read() as tx:
+            return self._unfinished(tx.conn)
+
+    @staticmethod
+    def _unfinished(conn: sqlite3.Connection) -> int:
+        rec = conn.execute(f"SELECT value FROM {COUNTERS} WHERE name = 'unfinished'").fetchone()
+        assert rec is not None, "the unfinished counter has its row from the v2 migration on"
+        return int(rec[0])
+
+    def admit_unfinished(self, conn: sqlite3.Connection, created: Sequence[WorkItem], bound: int) -> None:
+        """Compare-and-admit inside a submit's write transaction (its ``then``): ``QueueFull`` when
+        the new unfinished items take the count past ``bound``."""
+        # The triggers counted the inserts already; the write lock makes the comparison atomic.
+        new = sum(not item.state.terminal for item in created)
+        if new and self._unfinished(conn) > bound:
+            raise QueueFull(f"{new} more unfinished turns would exceed the bound {bound}")
 
     def submit_in_transaction(
         self,

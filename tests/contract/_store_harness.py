@@ -108,6 +108,8 @@ def reset_postgres(dsn: str) -> None:
         conn.execute(
             "TRUNCATE agent_dispatch_work_items, agent_dispatch_dependencies, agent_dispatch_outcomes"
         )
+        # TRUNCATE fires no row triggers: the unfinished count (schema v2) starts again at zero.
+        conn.execute("UPDATE agent_dispatch_unfinished SET n = 0")
 
 
 @contextlib.contextmanager

@@ -15,8 +15,8 @@ from agent_dispatch.errors import QueueFull
 from agent_dispatch.models import SubmitRequest, WorkItem
 from agent_dispatch.runtime import Runtime, open_runtime
 from agent_dispatch.settings import Backend
-from agent_dispatch.store import BatchSubmit, TransactionalSubmit
-from agent_dispatch.transport import AckMany, AdmitOnConnection, Receipt, Reserving, Transport
+from agent_dispatch.store import BatchSubmit, CountsUnfinished, TransactionalSubmit
+from agent_dispatch.transport import AckMany, AdmitOnConnection, Receipt, Transport
 from tests.contract._transport_harness import (
     ALL_BACKENDS,
     MEMORY,
@@ -32,7 +32,7 @@ CAPABILITIES: dict[Backend | str, set[type]] = {
     MEMORY: {AckMany},
     Backend.SQLITE: {AckMany, AdmitOnConnection},
     Backend.POSTGRES: {AckMany, AdmitOnConnection},
-    Backend.KAFKA: {Reserving},
+    Backend.KAFKA: set(),
 }
 IDENTITY: dict[Backend | str, Backend | None] = {
     MEMORY: None,
@@ -54,7 +54,7 @@ def test_each_transport_names_itself_and_has_exactly_its_capabilities(
     transport = make_transport()
     assert isinstance(transport, Transport)
     assert transport.backend is IDENTITY[backend], "the memory transport must not pose as a real backend"
-    offered = {cap for cap in (AckMany, AdmitOnConnection, Reserving) if isinstance(transport, cap)}
+    offered = {cap for cap in (AckMany, AdmitOnConnection) if isinstance(transport, cap)}
     assert offered == CAPABILITIES[backend]
 
 
@@ -125,11 +125,12 @@ def test_the_admission_strategy_follows_the_capabilities(
     expected = {
         Backend.SQLITE: dispatch.OneTransaction,
         Backend.POSTGRES: dispatch.OneTransaction,
-        Backend.KAFKA: dispatch.Reserved,
+        Backend.KAFKA: dispatch.Counted,
     }[backend]
     assert type(runtime.admission) is expected
     assert runtime.admission is runtime.admission, "chosen once per pair"
     assert isinstance(runtime.store, TransactionalSubmit) and isinstance(runtime.store, BatchSubmit)
+    assert isinstance(runtime.store, CountsUnfinished)
 
 
 @pytest.mark.parametrize(
@@ -159,39 +160,11 @@ def test_admit_on_joins_the_stores_transaction(
     assert worker.claim_one().work_item_id == kept.item.id
 
 
-@pytest.mark.parametrize(
-    "make_runtime", [p for p in ALL_BACKENDS if p.values[0] is Backend.KAFKA], indirect=True
-)
-def test_a_reservation_holds_room_until_admitted_or_released(
-    make_runtime: Callable[..., Runtime], owners: Callable[[Transport, str], Owner]
-) -> None:
-    transport = make_runtime(max_depth=3).transport
-    assert isinstance(transport, Reserving)
-    held = transport.reserve(2)
-    assert held.remaining == 2
-    with pytest.raises(QueueFull):
-        transport.reserve(2)  # 2 held + 2 > 3
-    partial = transport.reserve(5, partial=True)
-    assert partial.remaining == 1
-    partial.release()
-    sent = turn(1)
-    held.admit([sent])
-    held.release()  # gives back the one not used
-    eventually(lambda: transport.depth() == 1)
-    again = transport.reserve(2)
-    assert again.remaining == 2
-    again.release()
-    worker = owners(transport, "w1")
-    got = worker.claim_one()
-    assert got.work_item_id == sent.work_item_id
-    worker.ack(got.receipt)
-    eventually(lambda: transport.depth() == 0, polling=worker)
-
-
 def test_a_store_in_another_database_gets_its_strategy_from_the_transport(
     make_transport: MakeTransport, request: pytest.FixtureRequest
 ) -> None:
-    """A pair with no shared database and no reservation refuses after the submit (and cancels)."""
+    """A pair with no shared database and a store without the unfinished count refuses after the
+    submit (and cancels): the in-memory store of unit tests, on any transport."""
     from agent_dispatch.settings import Settings
     from agent_dispatch.stores.memory import MemoryStore
 
@@ -200,6 +173,4 @@ def test_a_store_in_another_database_gets_its_strategy_from_the_transport(
     admission = dispatch.choose_admission(
         store, transport, signing_key=b"k" * 40, settings=Settings(max_depth=1000)
     )
-    backend = backend_of(request)
-    expected = dispatch.Reserved if backend is Backend.KAFKA else dispatch.AfterSubmit
-    assert type(admission) is expected
+    assert type(admission) is dispatch.AfterSubmit

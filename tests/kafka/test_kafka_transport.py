@@ -358,32 +358,6 @@ def test_concurrent_admission_never_exceeds_the_bound(make_transport: Callable[.
     _eventually(lambda: transport.depth() == accepted, "the lag to match the accepted turns")
 
 
-def test_reserved_room_counts_against_the_bound_until_admitted_or_released(
-    make_transport: Callable[..., KafkaTransport],
-) -> None:
-    """The enqueue path reserves before it stores a WorkItem, so a refusal leaves nothing behind."""
-    transport = make_transport(max_depth=3, probe_cache_s=0.0)
-    transport.admit([_turn("queued")])
-    reservation = transport.reserve(5, partial=True)
-    assert reservation.remaining == 2
-    assert transport.depth() == 3
-    with pytest.raises(QueueFull):
-        transport.reserve(1)
-    with pytest.raises(QueueFull):
-        transport.admit([_turn("refused")])
-    with pytest.raises(ValueError):
-        reservation.admit([_turn(f"too-many-{i}") for i in range(3)])
-    reservation.admit([_turn("reserved")])  # no second bound check: the room is held
-    reservation.release()
-    assert reservation.remaining == 0
-    _eventually(lambda: transport.depth() == 2, "the released room given back")
-    with transport.reserve(1) as held:
-        assert held.remaining == 1
-    _eventually(lambda: transport.depth() == 2, "an unused reservation given back")
-    got = _claim_until(transport, 2)
-    assert sorted(d.work_item_id for d in got) == ["queued", "reserved"]
-
-
 def test_admission_rejects_when_the_broker_is_stopped(
     make_transport: Callable[..., KafkaTransport], kafka_broker: KafkaBroker
 ) -> None:

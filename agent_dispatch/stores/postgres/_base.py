@@ -50,7 +50,10 @@ SCHEMA: Final = Schema(
     title="the WorkItem schema in PostgreSQL",
     version=SCHEMA_VERSION,
     record=ComponentVersions("postgres", COMPONENT),
-    steps={1: (sql.read(__package__ or "agent_dispatch.stores.postgres", "sql/v1.sql"),)},
+    steps={
+        version: (sql.read(__package__ or "agent_dispatch.stores.postgres", f"sql/v{version}.sql"),)
+        for version in range(1, SCHEMA_VERSION + 1)
+    },
     # Serialises concurrent ``migrate`` runs.
     lock_key=0x6164_6D69_6772_0001,
     hint=MIGRATE_HINT,

@@ -9,7 +9,8 @@ from typing import Any
 from psycopg import errors
 from psycopg.rows import DictRow, dict_row
 
-from agent_dispatch.errors import DispatchError, NotFound
+from agent_dispatch.db import sql
+from agent_dispatch.errors import DispatchError, NotFound, QueueFull
 from agent_dispatch.models import Outcome, SubmitRequest, SubmitResult, WorkItem, WorkState
 from agent_dispatch.stores._common import (
     DEPENDENCY_FAILED,
@@ -30,9 +31,33 @@ from agent_dispatch.stores.postgres.statements import (
     SELECT_BY_KEY,
 )
 
+_UNFINISHED = sql.load(__package__ or "agent_dispatch.stores.postgres", "sql/unfinished.sql")
+
 
 class Submitting(PostgresBase):
     """The submit half of the store."""
+
+    # --- the unfinished count (schema v2: kept by triggers) ---------------------------------------------------
+
+    def unfinished(self) -> int:
+        rec = self._run(lambda c: self._one(c, _UNFINISHED["unfinished"], {}), transaction=False)
+        assert rec is not None, "agent_dispatch_unfinished has its one row from the migration on"
+        return int(rec["n"])
+
+    def admit_unfinished(self, conn: Conn, created: Sequence[WorkItem], bound: int) -> None:
+        """Compare-and-admit, as the last step of a submit's transaction (its ``then``): the count
+        plus the new unfinished items must stay within ``bound``, else ``QueueFull``.
+
+        The row lock is taken last and held only until the commit, where the deferred triggers
+        add the new items under it (so no other submit can take the same room).
+        """
+        new = sum(not item.state.terminal for item in created)
+        if not new:
+            return
+        rec = self._one(conn, _UNFINISHED["lock_unfinished"], {})
+        assert rec is not None, "agent_dispatch_unfinished has its one row from the migration on"
+        if int(rec["n"]) + new > bound:
+            raise QueueFull(f"{rec['n']} unfinished turns + {new} would exceed the bound {bound}")
 
     # --- submit ----------------------------------------------------------------------------------------------
 
@@ -135,6 +160,7 @@ class Submitting(PostgresBase):
         WorkItem is rolled back with it, so a refused admission leaves no orphan. A deadlock
         victim is retried whole, ``then`` included. ``dispatched``: ``then`` admits every created
         ``ready`` item, so its dispatch time is stamped by the insert (no second write of the row).
+        ``then`` is the transaction's last step (:meth:`admit_unfinished` relies on it).
         """
         prepared = prepare_submit(request, self.limits)
 
@@ -161,7 +187,7 @@ class Submitting(PostgresBase):
         refused it (validation, an idempotency conflict). The inserts go to the server as one
         pipeline, so a batch costs a few round trips instead of a few per request. If ``then``
         raises, nothing of the batch is kept. A deadlock victim is retried whole. ``dispatched``
-        as in :meth:`submit_in_transaction`.
+        as in :meth:`submit_in_transaction`; ``then`` is the transaction's last step here too.
         """
         prepared, refused = prepare_batch(requests, self.limits)
 

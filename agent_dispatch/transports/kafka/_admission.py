@@ -1,21 +1,25 @@
-"""Admission under the depth bound: the probed group lag plus what this process has in flight.
+"""The Kafka depth: the probed group lag plus what this process has in flight.
 
-Depth is the consumer group's lag, measured under a timeout. A failed or slow probe raises
-:class:`DepthUnavailable`; it is never read as zero. The probe is cached for a fraction of a
-second so admission costs the same at depth 0 and at depth 100k, and turns admitted by this
-process since the probe began are added to it, so concurrent admitters in one process cannot
-overshoot the bound between probes.
+A signal (autoscaling, metrics, the availability probe of the enqueue path), not the admission
+bound: the lag counts re-driven duplicates and acknowledged offsets the commit has not passed yet,
+so it can stand far above the number of accepted, unfinished turns. The enqueue path bounds those
+with the WorkItem store's count (``agent_dispatch.dispatch.Counted``). The lag still guards a
+direct bounded ``KafkaTransport.admit`` (fail-closed: over-counting only ever refuses).
+
+Depth is measured under a timeout. A failed or slow probe raises :class:`DepthUnavailable`; it is
+never read as zero. The probe is cached for a fraction of a second so a probe costs the same at
+depth 0 and at depth 100k, and turns admitted by this process since the probe began are added to
+it, so concurrent admitters in one process cannot overshoot between probes.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent_dispatch.errors import DepthUnavailable, QueueFull
-from agent_dispatch.transport import OutboundTurn
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class _Probe:
 
 
 class DepthBound:
-    """The books that keep admitted turns under ``max_depth``.
+    """The books of the depth signal, and of the guard that keeps a bounded ``admit`` under ``max_depth``.
 
     ``measure()`` is the group lag (raising :class:`DepthUnavailable`); ``delivered()`` counts the
     producer's delivery reports. A turn is counted from its reservation until it is settled: by a
@@ -53,25 +57,21 @@ class DepthBound:
         self._reserved = 0
         self._failed_locally = 0
 
-    def reserve(self, count: int, *, partial: bool = False) -> int:
-        """Check depth + count against the bound and reserve the room (returns how much), or raise.
+    def reserve(self, count: int) -> None:
+        """Check depth + count against the bound and count the turns in flight, or raise.
 
-        The estimate is the probed lag plus every turn this process reserved that had not been
+        The estimate is the probed lag plus every turn this process sent that had not been
         confirmed when the probe began: those may or may not be in the probed watermarks, so they
-        are counted (over-counting only ever rejects, never over-admits). ``partial``: reserve
-        what fits of ``count`` (at least one).
+        are counted (over-counting only ever rejects, never over-admits).
         """
         probe = self._fresh_probe(time.monotonic())
         if probe.lag is None:
             raise DepthUnavailable(probe.error or "kafka depth probe failed")
         with self._lock:
-            in_flight = self._reserved - probe.reported
-            depth = probe.lag + max(0, in_flight)
-            granted = min(count, self.max_depth - depth) if partial else count
-            if granted < 1 or depth + granted > self.max_depth:
+            depth = probe.lag + max(0, self._reserved - probe.reported)
+            if depth + count > self.max_depth:
                 raise QueueFull(f"queue depth {depth} + {count} exceeds {self.max_depth}")
-            self._reserved += granted
-            return granted
+            self._reserved += count
 
     def count_unbounded(self, count: int) -> None:
         """Turns admitted past the bound (re-drives): counted in flight all the same."""
@@ -79,7 +79,7 @@ class DepthBound:
             self._reserved += count
 
     def settle_unsent(self, count: int) -> None:
-        """Reserved turns that will never be produced: settled like ones that never reached librdkafka."""
+        """Counted turns that will never be produced: settled like ones that never reached librdkafka."""
         if count > 0:
             with self._lock:
                 self._failed_locally += count
@@ -115,51 +115,3 @@ class DepthBound:
                 probe = _Probe(started, reported, None, str(exc))
             self._probe = probe
             return probe
-
-
-class Reservation:
-    """Room under the depth bound held for turns not produced yet (:meth:`KafkaTransport.reserve`).
-
-    Counted as queued until it is admitted or released, so concurrent admissions cannot take it.
-    Release what is not used (``release()`` or the ``with`` block); admitting more than the room
-    left is a programming error. ``produce`` sends turns whose room is reserved; ``give_back``
-    settles room that will not be used.
-    """
-
-    def __init__(
-        self,
-        count: int,
-        *,
-        produce: Callable[[Sequence[OutboundTurn]], None],
-        give_back: Callable[[int], None],
-    ) -> None:
-        self._produce = produce
-        self._give_back = give_back
-        self._lock = threading.Lock()
-        self._remaining = count
-
-    @property
-    def remaining(self) -> int:
-        return self._remaining
-
-    def admit(self, turns: Sequence[OutboundTurn]) -> None:
-        """Produce ``turns`` in the reserved room: as :meth:`KafkaTransport.admit`, without the bound check."""
-        if not turns:
-            return
-        with self._lock:
-            if len(turns) > self._remaining:
-                raise ValueError(f"{len(turns)} turns exceed the {self._remaining} reserved")
-            self._remaining -= len(turns)
-        self._produce(turns)
-
-    def release(self) -> None:
-        """Give back the room not admitted (idempotent)."""
-        with self._lock:
-            unused, self._remaining = self._remaining, 0
-        self._give_back(unused)
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()

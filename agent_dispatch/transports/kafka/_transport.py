@@ -16,7 +16,7 @@ from agent_dispatch.transports.kafka._admin import (
     admin_client,
     ensure_topic,
 )
-from agent_dispatch.transports.kafka._admission import DepthBound, Reservation
+from agent_dispatch.transports.kafka._admission import DepthBound
 from agent_dispatch.transports.kafka._config import KafkaTuning
 from agent_dispatch.transports.kafka._consumer import ConsumerSpec
 from agent_dispatch.transports.kafka._pool import ConsumerPool
@@ -126,6 +126,9 @@ class KafkaTransport:
     def admit(self, turns: Sequence[OutboundTurn], *, bounded: bool = True) -> None:
         """Returns once the broker acknowledged every turn (``acks=all``), or raises.
 
+        ``bounded``: the lag (plus this process's turns in flight) is checked against the bound,
+        fail-closed; the enqueue path does not rely on it (its bound is the WorkItem store's count
+        of unfinished items, ``agent_dispatch.dispatch.Counted``) and admits with ``bounded=False``.
         ``QueueFull``/``DepthUnavailable`` before anything is sent; ``DeliveryFailed`` when the
         broker did not confirm every turn (some may have been written: Kafka has no
         all-or-nothing produce without transactions). ``bounded=False`` skips the bound; Kafka
@@ -141,27 +144,12 @@ class KafkaTransport:
             self._bound.count_unbounded(len(turns))
         self._produce(turns)
 
-    def reserve(self, count: int, *, partial: bool = False) -> Reservation:
-        """Room under the bound for ``count`` turns, held until admitted or released.
-
-        The enqueue path reserves before it stores a WorkItem, so a full queue (``QueueFull``) or
-        an unknown depth (``DepthUnavailable``) refuses a turn before anything exists under its
-        idempotency key; the turns are then produced with :meth:`Reservation.admit`, which does
-        not check the bound again. ``partial``: grant as much of ``count`` as there is room for
-        (at least one, else ``QueueFull``); :attr:`Reservation.remaining` says how much.
-        """
-        if count < 1:
-            raise ValueError("count must be at least 1")
-        self._producer.ready()
-        granted = self._bound.reserve(count, partial=partial)
-        return Reservation(granted, produce=self._produce, give_back=self._release_reserved)
-
     def _produce(self, turns: Sequence[OutboundTurn]) -> None:
-        """Produce turns whose room is already reserved; returns once the broker confirmed every one."""
+        """Produce turns already counted in flight; returns once the broker confirmed every one."""
         self._producer.send(turns)
 
     def _release_reserved(self, count: int) -> None:
-        """Reserved turns that will never be produced: settled like ones that never reached librdkafka."""
+        """Counted turns that will never be produced: settled like ones that never reached librdkafka."""
         self._bound.settle_unsent(count)
 
     def depth(self) -> int:

@@ -1,0 +1,212 @@
+"""The stores' count of unfinished WorkItems (schema v2): the admission bound on Kafka.
+
+It must equal the number of items in ``submitted``, ``ready``, ``leased`` or ``running`` after
+every kind of transition (the database keeps it with triggers, whoever writes), and a bounded
+submit compares and admits against it in its own transaction: a refusal keeps nothing, a replay
+is never refused, concurrent submitters never take the same room. SQLite and a real PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from agent_dispatch.errors import DispatchError, QueueFull
+from agent_dispatch.models import Lease, Outcome, SubmitRequest, SubmitResult, WorkItem, WorkState
+from agent_dispatch.store import (
+    BatchSubmit,
+    CountsUnfinished,
+    Inspectable,
+    TransactionalSubmit,
+    WorkItemStore,
+)
+from agent_dispatch.stores._common import COMPONENT
+from agent_dispatch.stores.postgres import PostgresStore
+from tests.contract._store_harness import (  # noqa: F401 (store_postgres_dsn is a fixture)
+    DB_BACKENDS,
+    Harness,
+    open_harness,
+    store_postgres_dsn,
+)
+
+TENANTS = ("t1", "t2")
+
+
+@pytest.fixture(params=DB_BACKENDS)
+def h(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
+    with open_harness(request.param, request, tmp_path) as harness:
+        assert isinstance(harness.store, CountsUnfinished)
+        yield harness
+
+
+def truth(store: WorkItemStore) -> int:
+    """The count the slow way (every item read back), to hold the O(1) counter against."""
+    items = [i for t in TENANTS for i in store.list_items(tenant=t, limit=1000)]
+    return sum(not item.state.terminal for item in items)
+
+
+def counted(store: WorkItemStore) -> int:
+    assert isinstance(store, CountsUnfinished)
+    got = store.unfinished()
+    assert got == truth(store)
+    return got
+
+
+def request(key: str | None = None, tenant: str = "t1", **kw: Any) -> SubmitRequest:
+    return SubmitRequest(tenant=tenant, kind="turn", payload=b"{}", idempotency_key=key, **kw)
+
+
+def submit(store: WorkItemStore, **kw: Any) -> WorkItem:
+    result = store.submit(request(**kw))
+    assert result.created
+    return result.item
+
+
+def lease(store: WorkItemStore, item: WorkItem) -> Lease:
+    got = store.claim("w1", work_item_id=item.id)
+    assert got is not None
+    return got
+
+
+def bounded(store: WorkItemStore, req: SubmitRequest, bound: int) -> SubmitResult:
+    assert isinstance(store, CountsUnfinished) and isinstance(store, TransactionalSubmit)
+    counter = store
+    return store.submit_in_transaction(
+        req, lambda conn, item: counter.admit_unfinished(conn, [item], bound), dispatched=True
+    )
+
+
+def test_the_count_follows_every_transition(h: Harness) -> None:
+    s = h.store
+    assert counted(s) == 0
+    a = submit(s)
+    b = submit(s, depends_on=(a.id,))
+    c = submit(s, depends_on=(b.id,))
+    assert counted(s) == 3  # a dependent waiting is accepted and unfinished
+    held = lease(s, a)
+    assert counted(s) == 3  # leased, running: still unfinished
+    s.commit(s.mark_running(held), Outcome.SUCCEEDED)
+    assert s.get(b.id).state is WorkState.READY
+    assert counted(s) == 2
+    s.cancel(b.id, tenant="t1", reason="user")  # cascades to c
+    assert s.get(c.id).state is WorkState.CANCELLED
+    assert counted(s) == 0
+    # Retries spend attempts back to ready (no change), the last one dead-letters (-1).
+    d = submit(s, max_attempts=2)
+    s.retry(lease(s, d), error="boom")
+    assert counted(s) == 1
+    h.advance(400)
+    s.retry(lease(s, d), error="boom")
+    assert s.get(d.id).state is WorkState.DEAD_LETTER
+    assert counted(s) == 0
+    # An operator's retry of a dead-lettered item makes it unfinished again.
+    assert isinstance(s, Inspectable)
+    s.retry_dead_letter(d.id, tenant="t1", reason="operator")
+    assert counted(s) == 1
+    s.dead_letter(d.id, reason="poison")
+    assert counted(s) == 0
+    # Deadlines: expiry cancels, also a dependent cancelled by its expired dependency.
+    now = s.now()
+    e = submit(s, tenant="t2", deadline=now + timedelta(seconds=5))
+    submit(s, tenant="t2", depends_on=(e.id,))
+    f = submit(s, tenant="t2")
+    assert counted(s) == 3
+    h.advance(30)
+    s.expire()
+    assert counted(s) == 1
+    # A batch commit, and a submit whose dependency already failed (stored cancelled at once).
+    s.commit_many([(s.mark_running(lease(s, f)), Outcome.FAILED, "boom")])
+    assert counted(s) == 0
+    assert s.submit(request(tenant="t2", depends_on=(f.id,))).item.state is WorkState.CANCELLED
+    assert counted(s) == 0
+
+
+def test_a_bounded_submit_refuses_past_the_bound_and_keeps_nothing(h: Harness) -> None:
+    s = h.store
+    first = bounded(s, request("a"), bound=2)
+    bounded(s, request("b"), bound=2)
+    with pytest.raises(QueueFull):
+        bounded(s, request("c"), bound=2)
+    assert [i.idempotency_key for i in s.list_items(tenant="t1")] == ["b", "a"]
+    # A replay is answered whatever the count (it creates nothing), also past a lowered bound.
+    again = bounded(s, request("a"), bound=1)
+    assert (again.created, again.item.id) == (False, first.item.id)
+    assert counted(s) == 2
+    # Room comes back when an item finishes, not before.
+    s.commit(s.mark_running(lease(s, first.item)), Outcome.SUCCEEDED)
+    assert bounded(s, request("c"), bound=2).created
+    assert counted(s) == 2
+
+
+def test_a_bounded_batch_is_all_or_nothing(h: Harness) -> None:
+    s = h.store
+    assert isinstance(s, BatchSubmit) and isinstance(s, CountsUnfinished)
+    counter = s
+
+    def admit(conn: Any, items: list[WorkItem]) -> None:
+        counter.admit_unfinished(conn, items, 3)
+
+    results = s.submit_many_in_transaction([request(f"k{i}") for i in range(2)], admit, dispatched=True)
+    assert all(isinstance(r, SubmitResult) and r.created for r in results)
+    with pytest.raises(QueueFull):
+        s.submit_many_in_transaction([request(f"k{i}") for i in range(4)], admit, dispatched=True)
+    assert counted(s) == 2
+    # The two replays plus one new item fit.
+    results = s.submit_many_in_transaction([request(f"k{i}") for i in range(3)], admit, dispatched=True)
+    assert [isinstance(r, SubmitResult) and r.created for r in results] == [False, False, True]
+    assert counted(s) == 3
+
+
+def test_concurrent_bounded_submitters_never_exceed_the_bound(h: Harness) -> None:
+    bound, per_thread, threads = 7, 12, 6
+    stores = [h.open() for _ in range(threads)]
+    accepted: list[str] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def submitter(index: int) -> None:
+        for n in range(per_thread):
+            try:
+                result = bounded(stores[index], request(f"s{index}-{n}"), bound)
+                with lock:
+                    accepted.append(result.item.id)
+            except QueueFull:
+                pass
+            except DispatchError as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+    workers = [threading.Thread(target=submitter, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+    assert not errors, errors
+    assert len(accepted) == bound
+    assert counted(h.store) == bound
+
+
+@pytest.mark.postgres
+def test_the_postgres_migration_counts_what_is_already_there(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Upgrading a database from schema 1 to 2 counts the unfinished items it holds."""
+    with open_harness("postgres", request, tmp_path) as harness:
+        s = harness.store
+        assert isinstance(s, PostgresStore)
+        done = submit(s)
+        submit(s)
+        s.commit(s.mark_running(lease(s, done)), Outcome.SUCCEEDED)
+        with psycopg.connect(s._dsn, autocommit=True) as conn:
+            conn.execute(
+                "DROP TABLE agent_dispatch_unfinished; DROP FUNCTION agent_dispatch_count_unfinished CASCADE"
+            )
+            conn.execute(
+                "DELETE FROM agent_dispatch_schema_version WHERE component = %s AND version = 2", (COMPONENT,)
+            )
+        assert counted(harness.open(migrate=True)) == 1
