@@ -8,10 +8,9 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from kubernetes.client.exceptions import ApiException
 from testenv._common import free_port
 from testenv.helm import run_helm
 from testenv.kube import ControlPlane
+from tests._wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "agent-dispatch"
@@ -39,19 +39,6 @@ EXPECTED_FORBIDDEN = re.compile(
     r'\\?"[a-z0-9.]*\\?" at the cluster scope'
     r"|Not enough permissions to (list namespaces|watch for namespaces|watch for resources)"
 )
-
-
-def wait_for(
-    predicate: Callable[[], Any], timeout: float = 60, interval: float = 0.5, what: str = "condition"
-) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
 def manifests(text: str) -> list[dict[str, Any]]:

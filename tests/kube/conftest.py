@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from kubernetes import client
 from agent_dispatch import k8s_names
 from testenv._common import free_port
 from testenv.kube import ControlPlane
+from tests._wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,20 +36,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 CRD_FILE = ROOT / "crds" / "agentdispatch.yaml"
 CRD_NAME = f"{k8s_names.PLURAL}.{k8s_names.GROUP}"
-
-
-def wait_for(
-    predicate: Callable[[], Any], timeout: float = 60, interval: float = 0.5, what: str = "condition"
-) -> Any:
-    """Poll until ``predicate`` returns something truthy; fail naming ``what`` otherwise."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
 @pytest.fixture(scope="session")
