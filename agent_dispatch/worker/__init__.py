@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agent_dispatch.db.postgres import hung_up
 from agent_dispatch.k8s_client import new_api_client
 from agent_dispatch.runtime import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Runtime, StartupError, open_runtime
 from agent_dispatch.settings import Settings
@@ -62,7 +63,8 @@ class SessionLockConnections:
         with self._lock:
             while self._idle:
                 returned_at, conn = self._idle.pop()
-                if now - returned_at < self._max_idle_s and not conn.closed:
+                # Never lend one the server has ended (a restart): its turn would fail for nothing.
+                if now - returned_at < self._max_idle_s and not hung_up(conn):
                     return _LentConnection(self, conn)
                 conn.close()
         import psycopg

@@ -16,7 +16,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from agent_dispatch.db import sql
 from agent_dispatch.db.migrate import ComponentVersions, Schema, apply, require
-from agent_dispatch.db.postgres import first_line, retrying
+from agent_dispatch.db.postgres import first_line, make_pool, retrying
 from agent_dispatch.errors import BackendUnavailable, DispatchError, Fenced, InvalidRequest, NotFound
 from agent_dispatch.models import Lease, OutcomeRecord, WorkItem, WorkState
 from agent_dispatch.settings import Settings
@@ -92,11 +92,11 @@ class PostgresBase:
             psycopg.connect(dsn, connect_timeout=max(int(connect_timeout_s), 1)).close()
         except psycopg.Error as exc:
             raise BackendUnavailable(f"PostgreSQL (STATE_DB_URI) is unreachable: {first_line(exc)}") from exc
-        self._pool: ConnectionPool[Conn] = ConnectionPool(
+        # Checked on every borrow (a poll, no round trip), so a server restart fails no operation.
+        self._pool: ConnectionPool[Conn] = make_pool(
             dsn,
             min_size=min_size,
             max_size=max_size,
-            open=False,
             connection_class=Connection[DictRow],
             kwargs={"autocommit": True, "row_factory": dict_row, "connect_timeout": int(connect_timeout_s)},
             name="agent-dispatch-store",

@@ -25,7 +25,7 @@ from psycopg.rows import TupleRow, tuple_row
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from agent_dispatch.db.migrate import apply
-from agent_dispatch.db.postgres import retrying
+from agent_dispatch.db.postgres import make_pool, retrying
 from agent_dispatch.errors import BackendUnavailable, DepthUnavailable, Fenced, QueueFull
 from agent_dispatch.settings import Backend, Settings
 from agent_dispatch.transport import Delivery, OutboundTurn, Receipt
@@ -123,13 +123,12 @@ class PostgresTransport:
         with self._lock:
             if self._ref_key is not None:
                 return
-            pool: ConnectionPool[psycopg.Connection[TupleRow]] = ConnectionPool(
+            # Checked on every borrow (a poll, no round trip), so a server restart fails no call.
+            pool: ConnectionPool[psycopg.Connection[TupleRow]] = make_pool(
                 self.dsn,
-                min_size=1,
                 max_size=self._pool_max_size,
                 kwargs=self._conn_kwargs,
                 timeout=self._connect_timeout_s,
-                open=False,
                 name="agent-dispatch-queue",
             )
             try:
