@@ -206,14 +206,25 @@ class KafkaBroker(LoopbackService):
         *,
         extra_config: Mapping[str, str] | None = None,
         host: str = "127.0.0.1",
+        node_id: int = 1,
+        heap: tuple[str, ...] = JVM_OPTS,
     ) -> None:
-        """``host``: the address clients use (loopback, or the host end of a test node's veth)."""
+        """``host``: the address clients use (loopback, or the host end of a test node's veth).
+
+        ``node_id`` and ``heap`` are for the nodes of a :class:`testenv.kafka_cluster.KafkaCluster`,
+        which also sets the ports, the voters and the cluster id before the first start.
+        """
         super().__init__()
         self.host = host
         self.kafka_version = version
         self.version = f"Apache Kafka {version}"
+        self.node_id = node_id
         self.port = 0
         self.controller_port = 0
+        #: ``id@host:port`` of every controller; None: this node alone.
+        self.voters: str | None = None
+        self.cluster_id: str | None = None
+        self._heap = heap
         self._extra_config = dict(extra_config or {})
         self._libs: Path | None = None
 
@@ -239,7 +250,8 @@ class KafkaBroker(LoopbackService):
         self._libs = ensure_installed(self.kafka_version)
         self._root = Path(tempfile.mkdtemp(prefix="agent-dispatch-kafka-"))
         self._stop_at_exit()
-        self.port, self.controller_port = free_port(), free_port()
+        if self.voters is None:  # a cluster's nodes have their ports chosen by the cluster
+            self.port, self.controller_port = free_port(), free_port()
         (self._workdir / "server.properties").write_text(self._server_properties())
         (self._workdir / "log4j2.properties").write_text(_LOG4J2)
         self._format_storage()
@@ -248,9 +260,9 @@ class KafkaBroker(LoopbackService):
         broker, controller = f"{self.host}:{self.port}", f"127.0.0.1:{self.controller_port}"
         settings = {
             "process.roles": "broker,controller",
-            "node.id": "1",
+            "node.id": str(self.node_id),
             # A static voter set needs no --standalone/--initial-controllers at format time.
-            "controller.quorum.voters": f"1@{controller}",
+            "controller.quorum.voters": self.voters or f"{self.node_id}@{controller}",
             "listeners": f"PLAINTEXT://{broker},CONTROLLER://{controller}",
             "advertised.listeners": f"PLAINTEXT://{broker}",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
@@ -279,10 +291,10 @@ class KafkaBroker(LoopbackService):
         }
         return "".join(f"{key}={value}\n" for key, value in settings.items())
 
-    def _java(self, main: str, *args: str, heap: tuple[str, ...] = JVM_OPTS) -> list[str]:
+    def _java(self, main: str, *args: str, heap: tuple[str, ...] | None = None) -> list[str]:
         return [
             _tool("java"),
-            *heap,
+            *(self._heap if heap is None else heap),
             f"-Dlog4j2.configurationFile={self._workdir / 'log4j2.properties'}",
             f"@{self._classpath_file()}",
             main,
@@ -304,7 +316,7 @@ class KafkaBroker(LoopbackService):
             "kafka.tools.StorageTool",
             "format",
             "--cluster-id",
-            _random_cluster_id(),
+            self.cluster_id or _random_cluster_id(),
             "--config",
             str(self._workdir / "server.properties"),
             heap=("-Xmx256m", "-XX:TieredStopAtLevel=1"),
@@ -315,6 +327,11 @@ class KafkaBroker(LoopbackService):
             raise ServiceUnavailable(f"Kafka storage format failed: {exc}") from exc
 
     def _launch(self) -> None:
+        self.spawn()
+        self.wait_serving()
+
+    def spawn(self) -> None:
+        """Start the JVM without waiting: a cluster's nodes serve only once a quorum of them runs."""
         with self.log_path.open("ab") as out:
             # A new session keeps a Ctrl-C aimed at pytest from hitting the JVM before atexit does.
             self._proc = subprocess.Popen(
@@ -325,10 +342,14 @@ class KafkaBroker(LoopbackService):
                 cwd=self._workdir,
                 start_new_session=True,
             )
+
+    def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until this node is a registered, unfenced broker; a node that never gets there is killed."""
+        assert self._proc is not None
         try:
             wait_until(
                 self._serves_metadata,
-                timeout=START_TIMEOUT_S,
+                timeout=timeout,
                 what=f"Kafka broker on {self.bootstrap}",
                 log=self.log_path,
                 proc=self._proc,
@@ -352,4 +373,27 @@ class KafkaBroker(LoopbackService):
         admin = AdminClient(conf)
         metadata = admin.list_topics(timeout=3)
         # The node is usable once it has registered itself as an (unfenced) broker.
-        return bool(metadata.brokers)
+        return self.node_id in metadata.brokers
+
+    # -- faults a cluster test injects into one node ---------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self.running and self._proc is not None else None
+
+    def pause(self) -> None:
+        """SIGSTOP: the process keeps its sockets but answers nothing (a network partition, seen
+        from its peers and clients, without touching the machine's network)."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.send_signal(signal.SIGCONT)
+
+    def stop(self, *, immediate: bool = False) -> None:
+        # A paused JVM would sit out SIGTERM until the stop timeout: let it run to act on it.
+        self.resume()
+        super().stop(immediate=immediate)

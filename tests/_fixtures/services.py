@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from testenv.kafka import KafkaBroker
+from testenv.kafka_cluster import KafkaCluster
 from testenv.postgres import PostgresServer
 from tests._fixtures import start_or_skip
 
@@ -75,6 +76,16 @@ def kafka_topic_name(kafka_broker: KafkaBroker, request: pytest.FixtureRequest) 
     _delete_topic_quietly(kafka_broker.bootstrap, name)
 
 
+@pytest.fixture(scope="session")
+def kafka_cluster() -> Iterator[KafkaCluster]:
+    """Three KRaft nodes, replication factor 3, ``min.insync.replicas=2`` (started on first use)."""
+    cluster = KafkaCluster()
+    try:
+        yield start_or_skip("kafka", cluster.start)
+    finally:
+        cluster.close()
+
+
 def _delete_topic_quietly(bootstrap: str, topic: str) -> None:
     # Best effort: keeps a long session's broker small; a missing topic or a slow broker is not a failure.
     from confluent_kafka.admin import AdminClient
@@ -88,6 +99,7 @@ def _delete_topic_quietly(bootstrap: str, topic: str) -> None:
 __all__ = [
     "kafka_bootstrap",
     "kafka_broker",
+    "kafka_cluster",
     "kafka_topic_name",
     "postgres_dsn",
     "postgres_server",

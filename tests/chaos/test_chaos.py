@@ -10,13 +10,16 @@ Reproduce a run with its logged seed: ``pytest tests/chaos -m chaos --chaos-seed
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from testenv.kafka_cluster import KafkaCluster
 from tests.chaos.harness import ChaosRun, Services, env_for_chaos, write_report
-from tests.e2e.harness import backend_env
+from tests.chaos.kafka_support import REPLICATED
+from tests.e2e.harness import Backend, backend_env
 
 pytestmark = pytest.mark.chaos
 
@@ -24,7 +27,29 @@ TRANSPORTS = [
     pytest.param("sqlite", id="sqlite"),
     pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
     pytest.param("kafka", id="kafka", marks=[pytest.mark.kafka, pytest.mark.postgres]),
+    # Three brokers, replication factor 3, min.insync.replicas=2: leader kills, two brokers lost,
+    # every broker restarted, a broker paused (tests/chaos/kafka_support.py).
+    pytest.param(REPLICATED, id=REPLICATED, marks=[pytest.mark.kafka, pytest.mark.postgres]),
 ]
+
+
+def replicated_backend(cluster: KafkaCluster, tmp_path: Path, request: pytest.FixtureRequest) -> Backend:
+    """The Kafka transport on the three-node cluster (its WorkItems in PostgreSQL, as on one broker).
+
+    The topic is created by the transport itself (``ensure_ready``) with no replication factor
+    given, so it gets the cluster's: the run checks that every partition has three replicas.
+    """
+    env = backend_env("postgres", tmp_path, request, **env_for_chaos()).env
+    env.update(
+        {
+            "TASK_QUEUE_BACKEND": "kafka",
+            "KAFKA_BOOTSTRAP_SERVERS": cluster.bootstrap,
+            "AGENT_DISPATCH_KAFKA_TOPIC": f"chaos.replicated.{uuid.uuid4().hex[:8]}",
+            "AGENT_DISPATCH_KAFKA_GROUP": f"chaos-{uuid.uuid4().hex[:8]}",
+            "AGENT_TURNS_PARTITIONS": "4",
+        }
+    )
+    return Backend(REPLICATED, env)
 
 
 def durable_commits(dsn: str) -> None:
@@ -45,10 +70,15 @@ def chaos_run(
     request: pytest.FixtureRequest, tmp_path: Path, chaos_seed: int, chaos_duration: float
 ) -> Iterator[ChaosRun]:
     name = request.param
-    backend = backend_env(name, tmp_path, request, **env_for_chaos())
+    if name == REPLICATED:
+        backend = replicated_backend(request.getfixturevalue("kafka_cluster"), tmp_path, request)
+    else:
+        backend = backend_env(name, tmp_path, request, **env_for_chaos())
     services = Services(
-        postgres=request.getfixturevalue("postgres_server") if name in {"postgres", "kafka"} else None,
-        kafka=request.getfixturevalue("kafka_broker") if name == "kafka" else None,
+        postgres=request.getfixturevalue("postgres_server") if name != "sqlite" else None,
+        kafka=request.getfixturevalue("kafka_broker" if name == "kafka" else "kafka_cluster")
+        if name.startswith("kafka")
+        else None,
     )
     if "STATE_DB_URI" in backend.env:
         durable_commits(backend.env["STATE_DB_URI"])

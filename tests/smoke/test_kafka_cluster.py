@@ -1,0 +1,113 @@
+"""The replicated test cluster (testenv.kafka_cluster) and the project's producer on it.
+
+Three KRaft nodes, replication factor 3, ``min.insync.replicas=2``: the topic the project creates
+gets three replicas, the producer is idempotent with ``acks=all``, an acknowledged message
+survives its partition leader's SIGKILL, and with two brokers gone the producer refuses
+(``DeliveryFailed``, the gateway's 503) instead of confirming a message one broker holds.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import ConfigResource
+
+from agent_dispatch.transport import OutboundTurn
+from agent_dispatch.transports.kafka import KafkaTuning, admin_client, ensure_topic
+from agent_dispatch.transports.kafka._producer import ConfirmingProducer, DeliveryFailed
+from testenv.kafka_cluster import KafkaCluster
+
+pytestmark = pytest.mark.kafka
+
+PARTITIONS = 4
+
+
+@pytest.fixture
+def topic(kafka_cluster: KafkaCluster) -> Iterator[str]:
+    name = f"test.cluster.{uuid.uuid4().hex[:8]}"
+    yield name
+    kafka_cluster.start()  # every node up again for the tests after this one
+
+
+def _turns(prefix: str, count: int) -> list[OutboundTurn]:
+    return [OutboundTurn(f"{prefix}-{i}", f"s{i % 7}", "t", f"{prefix}-{i}".encode()) for i in range(count)]
+
+
+def _read_all(bootstrap: str, topic: str) -> set[bytes]:
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"read-{uuid.uuid4().hex[:6]}",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        parts = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+        ends = {tp.partition: consumer.get_watermark_offsets(tp, timeout=30)[1] for tp in parts}
+        consumer.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
+        seen: set[bytes] = set()
+        positions = dict.fromkeys(ends, 0)
+        deadline = time.monotonic() + 60
+        while any(positions[p] < ends[p] for p in ends) and time.monotonic() < deadline:
+            message = consumer.poll(0.5)
+            if message is None or message.error() is not None:
+                continue
+            seen.add(message.value() or b"")
+            positions[message.partition()] = message.offset() + 1
+        return seen
+    finally:
+        consumer.close()
+
+
+def test_replicated_topic_survives_a_leader_kill_and_refuses_without_quorum(
+    kafka_cluster: KafkaCluster, topic: str
+) -> None:
+    cluster = kafka_cluster
+    admin = admin_client(cluster.bootstrap)
+    # The transport's own call (KafkaTransport.ensure_ready): no replication factor given, so the
+    # cluster's default (3) applies; the operator passes spec.kafka.replicationFactor when set.
+    ensure_topic(admin, topic, PARTITIONS)
+    cluster.wait_fully_replicated(topic)
+    assert {len(replicas) for _leader, replicas, _isr in cluster.partitions(topic).values()} == {3}
+    described = admin.describe_configs([ConfigResource("topic", topic)])
+    config = next(iter(described.values())).result(timeout=30)
+    assert config["min.insync.replicas"].value == "2"
+
+    def producer(delivery_timeout_s: float) -> ConfirmingProducer:
+        tuning = KafkaTuning(delivery_timeout_s=delivery_timeout_s)
+        return ConfirmingProducer(cluster.bootstrap, topic, tuning, on_unsent=lambda _count: None)
+
+    # Long enough to ride out a leader election (the dead leader is fenced after 4 s).
+    patient, hasty = producer(20.0), producer(4.0)
+    settings = patient._config()
+    assert settings["enable.idempotence"] is True and settings["acks"] == "all"
+    try:
+        patient.send(_turns("before", 20))
+
+        leader = cluster.leader_of(topic, 0)
+        cluster.kill(leader)
+        patient.send(_turns("after-leader-kill", 20))  # two in-sync replicas remain: confirmed
+
+        second = next(node for node in cluster.running_ids() if node != leader)
+        cluster.kill(second)
+        started = time.monotonic()
+        with pytest.raises(DeliveryFailed):
+            hasty.send(_turns("one-broker", 1))
+        # Refused within the delivery timeout and the producer's own margin, not hung.
+        assert time.monotonic() - started < 4.0 + 10.0 + 5.0
+
+        cluster.start()
+        patient.send(_turns("restarted", 20))
+    finally:
+        patient.close(10.0)
+        hasty.close(1.0)
+
+    stored = _read_all(cluster.bootstrap, topic)
+    confirmed = {
+        t.wire for prefix in ("before", "after-leader-kill", "restarted") for t in _turns(prefix, 20)
+    }
+    assert confirmed <= stored, sorted(confirmed - stored)[:5]
