@@ -221,12 +221,16 @@ def _transport(
 ) -> Transport:
     if spec.backend == "kafka" and spec.kafka is not None:
         result = _kafka_step(spec, cluster, namespace, recorded, kafka, mutate=mutate)
-        if result.ok and result.refused is None and spec.dsn_secret is not None:
+        # The WorkItem store's schema does not depend on Kafka: it is migrated even when the Kafka
+        # step failed (a brand-new topic's first lag probe often does, before its partitions have
+        # leaders). Skipped, nothing would migrate it later: the status timer only observes, so the
+        # next probe reports the transport reachable over a store every gateway refuses (503).
+        if result.refused is None and spec.dsn_secret is not None:
             store = _postgres_step(spec, cluster, namespace, mutate=mutate)
-            if store.ok is False:
-                return replace(result, ok=False, message=store.message)
             result.events += store.events
             result.checks += store.checks
+            if result.ok and store.ok is False:
+                return replace(result, ok=False, message=store.message)
         return result
     result = _postgres_step(spec, cluster, namespace, mutate=mutate)
     refused = partition_decrease(spec.partitions, recorded)
