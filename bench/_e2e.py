@@ -36,7 +36,7 @@ from bench._common import (
     spawn,
     wait_drained,
 )
-from bench._peers import Peer
+from bench._peers import Peer, Setting
 
 WARMUP = 50
 
@@ -83,9 +83,14 @@ class CommandDriver:
         dbs: Databases,
         backend: str = "postgres",
         concurrency: int = CONCURRENCY,
+        setting: str | None = None,
     ) -> None:
         self.name = name
         self.concurrency = concurrency
+        #: The peer's setting, passed to its ``work`` command (raw loops have none).
+        self.setting = setting
+        #: The name as it can go into a log file's or a database's name.
+        self.tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
         self.backend = backend
         self.prefix = prefix
         self.cwd = cwd
@@ -96,27 +101,34 @@ class CommandDriver:
         self._poller: Poller | None = None
 
     @classmethod
-    def for_peer(cls, peer: Peer, dbs: Databases) -> CommandDriver:
+    def for_peer(cls, peer: Peer, setting: Setting, dbs: Databases) -> CommandDriver:
         return cls(
-            peer.name,
+            setting.label,
             peer.prefix,
             peer.cwd,
             peer.remaining_sql,
             dbs,
-            concurrency=peer.concurrency or CONCURRENCY,
+            concurrency=setting.workers,
+            setting=setting.key,
         )
 
     def prepare(self) -> None:
         from bench._common import run_checked
 
-        self.db, self.dsn = self.dbs.fresh(f"e2e_{self.name}")
+        self.db, self.dsn = self.dbs.fresh(f"e2e_{self.tag}"[:40])
         run_checked([*self.prefix, "setup", self.dsn], cwd=self.cwd, env=BASE_ENV, timeout=300)
         self._poller = Poller(self.dsn, self.remaining_sql)
 
     def start_worker(self, index: int, log_dir: Path) -> Proc:
         return spawn(
-            f"{self.name}-worker-{index}",
-            [*self.prefix, "work", self.dsn, str(self.concurrency)],
+            f"{self.tag}-worker-{index}",
+            [
+                *self.prefix,
+                "work",
+                self.dsn,
+                str(self.concurrency),
+                *([self.setting] if self.setting else []),
+            ],
             env=BASE_ENV,
             log_dir=log_dir,
             cwd=self.cwd,
@@ -127,7 +139,7 @@ class CommandDriver:
 
     def start_inserter(self, count: int, log_dir: Path, tag: str) -> Proc:
         return spawn(
-            f"{self.name}-insert-{tag}",
+            f"{self.tag}-insert-{tag}",
             [*self.prefix, "insert", self.dsn, str(count), str(BATCH)],
             env=BASE_ENV,
             log_dir=log_dir,

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bench import _peers
+from bench import _render_peers
 from bench._common import (
     BATCH,
     CONCURRENCY,
@@ -96,8 +96,7 @@ def render(data: dict[str, Any]) -> str:
         ]
         w("- Services and tools: " + ", ".join(shown))
     w(
-        f"- Every system runs {CONCURRENCY} workers per process (River: 100, its quick start's setting) and "
-        f"submits in batches of {cfg['batch']} with its own batch-insert API, from a separate process; "
+        f"- {_render_peers.settings_text(cfg['batch'])}; ours runs {CONCURRENCY} workers per process. "
         "PostgreSQL is testenv's loopback server (fsync off, the same for all). The raw Kafka loop "
         "(bench/kafka_bench.py) runs at least 20,000 messages so its start-up waits do not hide its rate."
     )
@@ -108,16 +107,10 @@ def render(data: dict[str, Any]) -> str:
     w("")
     w("| goal | measured | status |")
     w("| --- | --- | --- |")
-    peers_run = [s for s in _systems(data, "postgres") if s not in (OURS, RAW_PG)]
+    for line in _render_peers.goal_lines(data, procs, lambda system, k: _med(data, "postgres", system, k)):
+        w(line)
     for k in procs:
         ours = _med(data, "postgres", OURS, k)
-        for peer in peers_run:
-            theirs = _med(data, "postgres", peer, k)
-            ratio = ours / theirs if ours and theirs else None
-            w(
-                f"| PostgreSQL end to end >= 1.0x {peer} ({k} proc) | {_times(ratio, 2)} | "
-                f"{_verdict(None if ratio is None else ratio >= 1.0)} |"
-            )
         raw = _med(data, "postgres", RAW_PG, k)
         ratio = ours / raw if ours and raw else None
         w(
@@ -183,6 +176,12 @@ def render(data: dict[str, Any]) -> str:
     w("")
     w("### PostgreSQL")
     w("")
+    if _render_peers.throughput_labels(data):
+        w(
+            'A peer\'s plain name is its fairness setting; "(its throughput settings)" is the same peer at '
+            "the settings its own docs give for throughput (see Peers), measured in the same rounds."
+        )
+        w("")
     w("| system | " + " | ".join(f"{k} process{'es' if k > 1 else ''}" for k in procs) + " |")
     w("| --- |" + " --- |" * len(procs))
     for system in _systems(data, "postgres"):
@@ -247,22 +246,7 @@ def render(data: dict[str, Any]) -> str:
         w("")
 
     # --- peers ---------------------------------------------------------------------------------------
-    w("### Peers")
-    w("")
-    for p in data.get("peers", []):
-        notes = _peers.NOTES.get(p["name"], p["notes"])
-        w(f"- **{p['name']}** {p['version']}: {notes}. Harness: `bench/peers/` (our code, their public API).")
-    if data.get("peers") is not None and not data.get("peers_missing"):
-        w("")
-        w("Every peer installed from its own registry and ran; none had to be left out.")
-    for p in data.get("peers_missing", []):
-        w(f"- **{p['name']}** could not be installed: `{scrub(p['command'])}` failed with:")
-        w("")
-        w("  ```")
-        for line in scrub(p["error"]).splitlines()[-8:]:
-            w(f"  {line}")
-        w("  ```")
-    w("")
+    _render_peers.peers_section(w, data, scrub)
 
     # --- claim latency -------------------------------------------------------------------------------
     if claim:
@@ -398,18 +382,23 @@ def charts(data: dict[str, Any]) -> None:
     systems = _systems(data, "postgres")
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 1]})
     width = 0.8 / max(len(systems), 1)
+    hatched = _render_peers.throughput_labels(data)
+    colors: list[Any] = []
     for i, system in enumerate(systems):
         values = [_med(data, "postgres", system, k) or 0 for k in procs]
-        bars = ax.bar([x + i * width for x in range(len(procs))], values, width, label=system)
+        # A peer at its throughput settings: hatched, in the colour of its fairness bar just before.
+        style = {"color": colors[-1], "hatch": "//", "edgecolor": "white"} if system in hatched else {}
+        bars = ax.bar([x + i * width for x in range(len(procs))], values, width, label=system, **style)
+        colors.append(bars.patches[0].get_facecolor() if bars.patches else None)
         ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=7, rotation=90, padding=2)
     ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(procs))])
     ax.set_xticklabels([f"{k} worker process{'es' if k > 1 else ''}" for k in procs])
     ax.set_ylabel("turns / s (median)")
     ax.set_yscale("log")
     top = max((_med(data, "postgres", sys_, k) or 1) for sys_ in systems for k in procs) if systems else 1
-    ax.set_ylim(top=top * 4)  # room for the bar labels
+    ax.set_ylim(top=top * 8)  # room for the bar labels and the legend
     ax.set_title("PostgreSQL end to end")
-    ax.legend(fontsize=8, ncol=3, loc="upper left")
+    ax.legend(fontsize=7, ncol=3, loc="upper left")
     labels, ours, raws = [], [], []
     for backend, raw_name in FAIR_CEILINGS:
         labels.append(backend)

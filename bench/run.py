@@ -164,7 +164,13 @@ def measure(mode: str, command: str, only: set[str] | None) -> dict[str, Any]:
                     ),
                 ),
             ]
-            drivers += [(p.name, lambda p=p: CommandDriver.for_peer(p, dbs)) for p in peers]
+            # Every peer at both settings (the fairness one and its documented throughput one),
+            # in the same interleaved rounds.
+            drivers += [
+                (s.label, lambda p=p, s=s: CommandDriver.for_peer(p, s, dbs))
+                for p in peers
+                for s in p.settings
+            ]
             _e2e.run_rounds(
                 drivers,
                 processes=cfg["processes"],

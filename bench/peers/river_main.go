@@ -2,9 +2,14 @@
 //
 // Usage:
 //
-//	river-bench setup  DSN               apply River's migrations (rivermigrate)
-//	river-bench work   DSN CONCURRENCY   run a client with a no-op worker until SIGTERM/SIGINT
-//	river-bench insert DSN COUNT BATCH   insert COUNT no-op jobs with InsertMany, BATCH per call
+//	river-bench setup  DSN                    apply River's migrations (rivermigrate)
+//	river-bench work   DSN WORKERS [SETTING]  run a client with a no-op worker until SIGTERM/SIGINT
+//	river-bench insert DSN COUNT BATCH        insert COUNT no-op jobs with InsertMany, BATCH per call
+//
+// SETTING "fair" (the default): the default queue with MaxWorkers WORKERS, the rest River's
+// defaults. SETTING "throughput": the settings its docs benchmark with (docs/benchmarks, through
+// the `river bench` command, cmd/river/riverbench/river_bench.go): MaxWorkers WORKERS (2,000
+// there), FetchCooldown 2 ms and FetchPollInterval 20 ms.
 //
 // `work` prints "ready" once the client has started; `insert` prints "start <unix seconds>"
 // right before its first insert, so connection set-up is not counted.
@@ -67,10 +72,24 @@ func main() {
 	case "work":
 		workers := river.NewWorkers()
 		river.AddWorker(workers, &NoopWorker{})
-		client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
+		config := &river.Config{
 			Queues:  map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: atoi(os.Args[3])}},
 			Workers: workers,
-		})
+		}
+		setting := "fair"
+		if len(os.Args) > 4 {
+			setting = os.Args[4]
+		}
+		switch setting {
+		case "fair":
+		case "throughput":
+			config.FetchCooldown = 2 * time.Millisecond
+			config.FetchPollInterval = 20 * time.Millisecond
+		default:
+			fmt.Fprintln(os.Stderr, "unknown setting", setting)
+			os.Exit(2)
+		}
+		client, err := river.NewClient(riverpgxv5.New(pool), config)
 		must(err)
 		must(client.Start(ctx))
 		fmt.Println("ready")
