@@ -231,3 +231,39 @@ def test_tenant_stats_follow_retries_dead_letters_and_expiry(h: Harness) -> None
     assert stats_of(h)["t1"] == (1, 1, 0)
     s.retry(lease, error="once more")  # back to ready: queued again
     assert stats_of(h)["t1"] == (2, 0, 0)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_a_tenants_page_reads_the_counters_not_the_items(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """PostgreSQL: a page costs its tenants (the counters' rows, one index probe each for the
+    oldest waiting item), not their items; the GROUP BY it replaced read every unfinished row."""
+    import psycopg
+
+    from agent_dispatch.stores.postgres import _inspect as pgi
+
+    with open_harness(backend, request, tmp_path) as h:
+        store = h.store
+        requests = [SubmitRequest(tenant=f"t{i % 3}", kind="turn", payload=b"p") for i in range(3000)]
+        store.submit_many_in_transaction(requests, lambda conn, items: None)  # type: ignore[attr-defined]
+        pages(h).fold_tenant_counts()
+        assert stats_of(h) == {"t0": (1000, 0, 0), "t1": (1000, 0, 0), "t2": (1000, 0, 0)}
+        dsn = request.getfixturevalue("store_postgres_dsn")
+        with psycopg.connect(dsn) as conn:
+            assert _items_read(conn, pgi.TENANT_NAMES, {"after": "", "limit": 50}) == 0
+            assert _items_read(conn, pgi.TENANT_STATS, {"tenants": ["t0", "t1", "t2"]}) <= 3
+            assert _items_read(conn, pgi.BACKLOG, {"limit": 1000}) >= 3000  # what the page did before
+
+
+def _items_read(conn: Any, statement: str, params: dict[str, Any]) -> int:
+    """Rows the WorkItem table gave ``statement`` (returned by scans plus fetched through indexes),
+    counted in the statement's own transaction."""
+    with conn.transaction(force_rollback=True):
+        conn.execute(statement, params).fetchall()
+        row = conn.execute(
+            "SELECT pg_stat_get_xact_tuples_returned(c.oid) + pg_stat_get_xact_tuples_fetched(c.oid)"
+            " FROM pg_class c WHERE c.relname = 'agent_dispatch_work_items'"
+        ).fetchone()
+    assert row is not None
+    return int(row[0])

@@ -63,7 +63,7 @@ def test_each_workers_lease_is_shown_with_its_holder_renew_time_and_age(
         ],
         "leases_shown": 3,
     }
-    rows = {r[0]: r for r in overview(data)["tables"]["workers"]}
+    rows = {r[0]: r for r in overview(data)["tables"]["worker-heartbeats"]}
     assert rows["w-live"][1] == "live" and rows["w-live"][5] == "2"
     assert rows["w-stale"][1] == "stale" and rows["w-stale"][5] == "0"
     assert rows["w-gone"][1] == "no Lease" and rows["w-gone"][5] == "1"

@@ -72,6 +72,9 @@ def test_login_overview_and_security_headers(page: Any, server: Server, shots: l
     page.wait_for_function("() => document.querySelectorAll('#chart polyline').length > 0", timeout=LIVE_MS)
     assert page.locator("#bound").inner_text() == "100,000"
     assert page.locator("#depth").inner_text() != "unknown"
+    # Still counts after the live refresh (each id names one element the refresh writes).
+    assert page.locator("#worker-count").inner_text().isdigit()
+    assert page.locator("#lease-count").inner_text().isdigit()
     # `up` runs on a laptop, not in a cluster: the overview says why no heartbeat is shown.
     assert page.locator("#heartbeat-note").inner_text().startswith("Not on Kubernetes")
     shot(page, shots, "overview")
@@ -103,13 +106,25 @@ def test_a_submitted_turn_appears_and_reaches_succeeded(page: Any, server: Serve
     assert page.console_errors == []
 
 
-def test_cancel_a_running_turn(page: Any, server: Server) -> None:
+def test_cancel_a_running_turn(page: Any, server: Server, shots: list[Path]) -> None:
     login(page, server, server.token)
     job_id = submit(server, server.token, {"sleep_s": 120}, kind="cancel-me")
     page.goto(f"{server.url}/ui/jobs/{job_id}")
     page.wait_for_function(
         "() => document.getElementById('job-state').textContent === 'running'", timeout=LIVE_MS
     )
+    # The overview lists the worker holding its lease: no heartbeat Lease off Kubernetes.
+    page.goto(f"{server.url}/ui/")
+    page.wait_for_function(
+        "(id) => document.getElementById('leases').textContent.includes(id)",
+        arg=job_id,
+        timeout=LIVE_MS,
+    )
+    row = page.locator("#worker-heartbeats tr", has_text="no Lease").first.inner_text()
+    assert row.split("\t")[-1].strip().isdigit() and int(row.split("\t")[-1]) >= 1
+    assert int(page.locator("#lease-count").inner_text()) >= 1
+    shot(page, shots, "overview-busy")
+    page.goto(f"{server.url}/ui/jobs/{job_id}")
     page.get_by_role("button", name="Cancel").click()
     page.wait_for_url(f"{server.url}/ui/jobs/{job_id}")
     assert page.locator("#job-state").inner_text() == "cancelled"

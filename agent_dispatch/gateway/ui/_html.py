@@ -107,9 +107,9 @@ def overview(model: dict[str, Any]) -> str:
         '<title id="chart-title">Depth and throughput over the last minutes</title></svg>'
         '<figcaption><span class="key depth">depth</span> <span class="key done">finished per sample</span> '
         '<span class="key admitted">admitted per sample</span> (a sample every 2 s, the last 5 minutes)</figcaption></figure></section>'
-        f'<section aria-labelledby="w"><h2 id="w">Workers and leases</h2><p>{f("workers")} workers hold {f("leases")} leases.</p>'
+        f'<section aria-labelledby="w"><h2 id="w">Workers and leases</h2><p>{f("worker-count")} workers hold {f("lease-count")} leases.</p>'
         f"<p>Heartbeats: {f('heartbeat-note')}</p>"
-        f"{table('workers', 'Workers: their heartbeat Lease and the WorkItem leases they hold', v.WORKER_COLUMNS, model['tables']['workers'])}"
+        f"{table('worker-heartbeats', 'Workers: their heartbeat Lease and the WorkItem leases they hold', v.WORKER_COLUMNS, model['tables']['worker-heartbeats'])}"
         f"{table('leases', 'Leases held, soonest expiry first', v.LEASE_COLUMNS, model['tables']['leases'])}</section>"
     )
 

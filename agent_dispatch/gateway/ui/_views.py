@@ -39,8 +39,9 @@ def overview(data: dict[str, Any]) -> dict[str, Any]:
         "depth-pct": "" if depth is None else f"{100 * depth / bound:.1f}% of the bound",
         **{f"rate-{k}": f"{v:g}/min" for k, v in rates.items()},
         **{f"total-{k}": f"{v:,}" for k, v in totals.items()},
-        "workers": str(len(data["workers"])),
-        "leases": str(data["leases_shown"]),
+        # Not "workers"/"leases": those ids are the tables' (one id, one element).
+        "worker-count": str(len(data["workers"])),
+        "lease-count": str(data["leases_shown"]),
     }
     leases: list[list[Cell]] = [
         [
@@ -79,7 +80,12 @@ def overview(data: dict[str, Any]) -> dict[str, Any]:
         "done": [h["succeeded"] + h["failed"] + h["dead_lettered"] for h in history],
         "admitted": [h["admitted"] for h in history],
     }
-    return {"fields": fields, "tables": {"workers": workers, "leases": leases}, "chart": chart, "hidden": {}}
+    return {
+        "fields": fields,
+        "tables": {"worker-heartbeats": workers, "leases": leases},
+        "chart": chart,
+        "hidden": {},
+    }
 
 
 def tenants(page: dict[str, Any], limit: str = "") -> dict[str, Any]:
