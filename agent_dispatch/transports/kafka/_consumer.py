@@ -235,7 +235,7 @@ class ThreadConsumer:
         return Delivery(
             wire=message.value() or b"",
             receipt=Receipt(owner=owner, token=token.encode()),
-            work_item_id=_work_item_id(message),
+            work_item_id=work_item_id(message),
             redelivered=slot.deliveries - 1,
         )
 
@@ -411,7 +411,8 @@ class ThreadConsumer:
         self._parts.clear()
 
 
-def _work_item_id(message: Message) -> str:
+def work_item_id(message: Message) -> str:
+    """The WorkItem id a record names in its header (empty when it names none)."""
     for key, value in message.headers() or []:
         if key == WORK_ITEM_HEADER and value is not None:
             return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

@@ -17,6 +17,7 @@ from agent_dispatch.transports.kafka._admin import (
     ensure_topic,
 )
 from agent_dispatch.transports.kafka._admission import DepthBound
+from agent_dispatch.transports.kafka._backlog import queued_work_items
 from agent_dispatch.transports.kafka._config import KafkaTuning
 from agent_dispatch.transports.kafka._consumer import ConsumerSpec
 from agent_dispatch.transports.kafka._pool import ConsumerPool
@@ -154,6 +155,17 @@ class KafkaTransport:
 
     def depth(self) -> int:
         return self._bound.depth()
+
+    def queued_work_items(self) -> frozenset[str] | None:
+        """Work items whose delivery the group will still hand out (``None``: unknown just now).
+
+        For the recovery sweep: a ready WorkItem waiting behind a backlog still has its message
+        on the topic, and a re-drive of it would be a second one, counted twice in the lag until
+        both are consumed (see ``_backlog``). One pass over the unacknowledged records.
+        """
+        return queued_work_items(
+            self.bootstrap_servers, self.topic, self.group, timeout_s=self.tuning.probe_timeout_s
+        )
 
     # -- consuming -------------------------------------------------------------------------------
 
