@@ -78,6 +78,7 @@ def make_pool(
     max_size: int = 10,
     timeout: float = 30.0,
     connection_class: type[CT] = Connection,  # type: ignore[assignment]
+    **options: Any,
 ) -> ConnectionPool[CT]:
     """A psycopg_pool that lends no connection the server has ended (not opened: ``open`` it).
 
@@ -86,7 +87,8 @@ def make_pool(
     ``check_connection`` costs a round trip per borrow; :func:`hung_up` costs a poll. The first
     hung-up connection found also drains the pool: after a restart every idle connection is dead,
     and stepping over them one by one would sleep the pool's check backoff (1 s, 2 s, 4 s...)
-    between them, so the borrower instead waits only for one fresh connection.
+    between them, so the borrower instead waits only for one fresh connection. ``options`` go to
+    ``ConnectionPool`` as they are (``max_idle``, ``reconnect_timeout``...).
     """
     pool: ConnectionPool[CT]
 
@@ -105,5 +107,6 @@ def make_pool(
         timeout=timeout,
         check=check,
         name=name,
+        **options,
     )
     return pool

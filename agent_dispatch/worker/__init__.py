@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
-from agent_dispatch.db.postgres import hung_up
+from psycopg_pool import ConnectionPool
+
+from agent_dispatch.db.postgres import make_pool
 from agent_dispatch.k8s_client import new_api_client
 from agent_dispatch.runtime import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Runtime, StartupError, open_runtime
 from agent_dispatch.settings import Settings
@@ -37,47 +38,61 @@ WorkerStartupError = StartupError
 
 
 class SessionLockConnections:
-    # Written by hand, not psycopg_pool: under the chaos suite a pooled version stalled claim loops
-    # (a worker paused past its TTL, or the database restarted, and getconn() waited out the pool's
-    # reconnect backoff with turns in flight); here a broken connection fails at once and is
-    # replaced by the next connect(), which the session guard's retry already expects.
-    """Dedicated autocommit connections for session advisory locks, reused across turns.
+    """Dedicated autocommit connections for session advisory locks, pooled (psycopg_pool) across turns.
 
     Opening a connection per turn (a server process, authentication) cost more than all the
-    other round trips of a no-op turn together. ``connect()`` lends an idle connection (or opens
-    one); the lent connection's ``close()`` gives it back. A connection goes back only if every
-    statement on it succeeded (so the session's explicit unlock ran: it holds no advisory lock),
-    and one idle for half the lock's ``idle_session_timeout`` is discarded rather than reused
-    (the server may end it at the full timeout). At most ``keep`` idle connections are kept.
+    other round trips of a no-op turn together. ``connect()`` lends a pooled connection; the lent
+    connection's ``close()`` gives it back. One whose statement failed is closed instead (its
+    explicit unlock may not have run; ending the session releases its advisory locks).
+
+    Fail-fast by configuration (issue 20: an earlier psycopg_pool version stalled claim loops in
+    the chaos suite, with getconn() waiting out the pool's backoffs while turns were in flight):
+
+    - the borrow check is :func:`agent_dispatch.db.postgres.make_pool`'s: a connection the server
+      ended (a restart, or ``idle_session_timeout`` after this process was paused past the lease)
+      is found by a poll of its socket and drains the pool, so no borrower sleeps the 1-2-4 s
+      check backoff stepping over dead connections one by one;
+    - ``max_idle`` closes a connection idle for half the lock's ``idle_session_timeout`` before the
+      server ends it; ``min_size`` 0, so an idle worker holds none;
+    - ``reconnect_timeout`` gives up a failed background connect after ``RECONNECT_S`` instead of
+      retrying with growing delays for five minutes (during which no other connect starts), and a
+      borrow waits at most ``BORROW_S``: while the database is down, a turn fails at once and is
+      redelivered, as with a plain connect, and the first borrow after it returns connects anew.
     """
 
-    def __init__(self, uri: str, *, idle_timeout_s: float, keep: int = 16) -> None:
-        self._uri = uri
-        self._max_idle_s = idle_timeout_s / 2
-        self._keep = keep
-        self._idle: list[tuple[float, Any]] = []
+    #: Longest a borrow waits for a connection; and how long a failed background connect is retried.
+    BORROW_S = 3.0
+    RECONNECT_S = 2.0
+
+    def __init__(self, uri: str, *, idle_timeout_s: float, max_size: int = 64) -> None:
+        self._pool: ConnectionPool[Any] = make_pool(
+            uri,
+            name="agent-dispatch-session-locks",
+            kwargs={"autocommit": True, "connect_timeout": int(self.BORROW_S)},
+            min_size=0,
+            max_size=max_size,
+            timeout=self.BORROW_S,
+            max_idle=idle_timeout_s / 2,
+            reconnect_timeout=self.RECONNECT_S,
+        )
+        self._opened = False
         self._lock = threading.Lock()
 
     def connect(self) -> _LentConnection:
-        now = time.monotonic()
-        with self._lock:
-            while self._idle:
-                returned_at, conn = self._idle.pop()
-                # Never lend one the server has ended (a restart): its turn would fail for nothing.
-                if now - returned_at < self._max_idle_s and not hung_up(conn):
-                    return _LentConnection(self, conn)
-                conn.close()
-        import psycopg
-
-        return _LentConnection(self, psycopg.connect(self._uri, autocommit=True))
+        if not self._opened:
+            with self._lock:
+                if not self._opened:
+                    self._pool.open(wait=False)
+                    self._opened = True
+        return _LentConnection(self, self._pool.getconn())
 
     def _give_back(self, conn: Any, healthy: bool) -> None:
-        if healthy and not conn.closed:
-            with self._lock:
-                if len(self._idle) < self._keep:
-                    self._idle.append((time.monotonic(), conn))
-                    return
-        conn.close()
+        if not healthy:
+            conn.close()  # the pool discards a closed connection (and ending it drops its locks)
+        self._pool.putconn(conn)
+
+    def close(self) -> None:
+        self._pool.close()
 
 
 class _LentConnection:
@@ -120,7 +135,9 @@ def build_worker(
     session_connect: Callable[[], Any] | None = None
     if settings.state_db_uri is not None:
         session_connect = SessionLockConnections(
-            settings.state_db_uri.get_secret_value(), idle_timeout_s=settings.claim_ttl_s
+            settings.state_db_uri.get_secret_value(),
+            idle_timeout_s=settings.claim_ttl_s,
+            max_size=2 * (concurrency or settings.concurrency),
         ).connect
 
     def redrive() -> int:
