@@ -64,6 +64,11 @@ def cluster_config(size: int, replication_factor: int, min_insync: int) -> dict[
         "controller.quorum.request.timeout.ms": "2000",
         "broker.session.timeout.ms": "4000",
         "broker.heartbeat.interval.ms": "1000",
+        # A starting broker exits ("fatal error while waiting for the controller to acknowledge
+        # that we are caught up") when the quorum has not registered it in time: 60 s by default,
+        # which two nodes restarted together on a loaded 2-core machine exceeded in the soak.
+        # Waiting is testenv's job (START_TIMEOUT_S), so the broker waits as long.
+        "initial.broker.registration.timeout.ms": str(START_TIMEOUT_S * 1000),
         "replica.lag.time.max.ms": "4000",
         "replica.socket.timeout.ms": "5000",
         "controller.socket.timeout.ms": "5000",
