@@ -252,16 +252,20 @@ class CountsUnfinished(Protocol):
 
 
 @dataclass(frozen=True)
-class TenantBacklog:
-    """One tenant's unfinished work: what the fairness view shows beside what was served."""
+class TenantStats:
+    """One tenant's items by where they stand, and when it was last served (the tenants page)."""
 
     tenant: str
     #: submitted (waiting on dependencies) and ready items.
     queued: int
     #: leased and running items.
     running: int
+    #: items in a terminal state (succeeded, failed, cancelled, dead_letter).
+    done: int
     #: When the oldest still-queued item was created (``None`` when nothing is queued).
     oldest_waiting: datetime | None
+    #: When an item of the tenant was last claimed (``None``: never, as far as the store knows).
+    last_served: datetime | None
 
 
 @dataclass(frozen=True)
@@ -276,7 +280,9 @@ class SeqEvent:
 class Inspectable(Protocol):
     """What the web UI reads and the one operator action it adds; every store has it.
 
-    Each read is bounded by an index (or by ``limit``): the overview must not scan the table.
+    Each read is bounded by an index (or by ``limit``): the overview must not scan the table,
+    and a tenants page costs its tenants, not their items (PostgreSQL keeps per-tenant counters,
+    ``stores/postgres/sql/tenants_v1.sql``; the engine stores, local and small, count rows).
     """
 
     def browse(
@@ -297,8 +303,14 @@ class Inspectable(Protocol):
     def dependents(self, work_item_id: str) -> list[str]:
         """Ids of the items that depend on ``work_item_id`` (the caller has checked its tenant)."""
 
-    def backlog(self, *, limit: int = 1000) -> list[TenantBacklog]:
-        """Per tenant with unfinished work: queued, running, oldest waiting (most queued first)."""
+    def tenant_stats(
+        self, *, after: str = "", limit: int = 50, tenants: Sequence[str] | None = None
+    ) -> list[TenantStats]:
+        """Tenants in name order after ``after``, at most ``limit``; with ``tenants``, only those
+        of them the store has items of (an administrator's page, or one tenant's own row)."""
+
+    def fold_tenant_counts(self) -> int:
+        """Compact the per-tenant counters (PostgreSQL folds their deltas); returns tenants folded."""
 
     def held_leases(self, *, limit: int = 200) -> list[WorkItem]:
         """Items under a lease (leased or running), soonest expiry first."""

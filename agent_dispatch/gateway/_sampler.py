@@ -17,7 +17,6 @@ from typing import Final
 
 from agent_dispatch.models import Outcome
 from agent_dispatch.store import Inspectable
-from agent_dispatch.stores.tenant_stats import TenantPages
 
 #: Five minutes of samples at the default interval.
 HISTORY: Final = 150
@@ -56,9 +55,8 @@ class Sampler:
                 self._count(event.record.event, event.record.outcome, counts)
             if events:
                 self._seq = events[-1].seq
-            if isinstance(self.store, TenantPages):
-                # Compacts the per-tenant counters' deltas (PostgreSQL), so a page reads one row per tenant.
-                self.store.fold_tenant_counts()
+            # Compacts the per-tenant counters' deltas (PostgreSQL), so a page reads one row per tenant.
+            self.store.fold_tenant_counts()
             try:
                 depth: int | None = self.depth()
             except Exception:

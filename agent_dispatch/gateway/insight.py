@@ -25,8 +25,7 @@ from agent_dispatch.gateway.service import (
 )
 from agent_dispatch.jobs import project
 from agent_dispatch.models import OutcomeRecord, WorkItem, WorkState
-from agent_dispatch.store import Inspectable
-from agent_dispatch.stores.tenant_stats import TenantPages, TenantStats
+from agent_dispatch.store import Inspectable, TenantStats
 from agent_dispatch.transport import Transport
 
 #: Leases listed on the overview (soonest expiry first); the count beside it says if there are more.
@@ -96,9 +95,6 @@ class InsightService:
         store = jobs.store
         if not isinstance(store, Inspectable):
             raise TypeError(f"{type(store).__name__} does not implement Inspectable")
-        if not isinstance(store, TenantPages):
-            raise TypeError(f"{type(store).__name__} does not implement TenantPages")
-        self.tenant_pages: TenantPages = store
         self.jobs = jobs
         self.store: Inspectable = store
         self._transport = transport
@@ -157,9 +153,9 @@ class InsightService:
         """
         size = min(parse_limit(limit), TENANTS_PAGE) if limit else TENANTS_PAGE
         if scope.admin:
-            found = self.tenant_pages.tenant_stats(after=after[:200], limit=size + 1)
+            found = self.store.tenant_stats(after=after[:200], limit=size + 1)
         else:
-            found = self.tenant_pages.tenant_stats(tenants=[scope.name]) or [
+            found = self.store.tenant_stats(tenants=[scope.name]) or [
                 TenantStats(scope.name, 0, 0, 0, None, None)
             ]
         page = found[:size]

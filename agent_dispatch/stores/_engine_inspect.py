@@ -11,10 +11,9 @@ from collections.abc import Sequence
 
 from agent_dispatch.errors import InvalidRequest, InvalidTransition, NotFound
 from agent_dispatch.models import WorkItem, WorkState
-from agent_dispatch.store import SeqEvent, TenantBacklog, bound_error
+from agent_dispatch.store import SeqEvent, TenantStats, bound_error
 from agent_dispatch.stores._common import DEPENDENCY_FAILED, Event, make_item, to_dt
 from agent_dispatch.stores._engine_base import EngineBase
-from agent_dispatch.stores.tenant_stats import TenantStats
 
 
 class InspectCalls(EngineBase):
@@ -46,11 +45,6 @@ class InspectCalls(EngineBase):
     def dependents(self, work_item_id: str) -> list[str]:
         with self._read() as tx:
             return sorted(tx.dependents(work_item_id))
-
-    def backlog(self, *, limit: int = 1000) -> list[TenantBacklog]:
-        with self._read() as tx:
-            rows = tx.backlog(limit)
-        return [TenantBacklog(t, queued, running, to_dt(oldest)) for t, queued, running, oldest in rows]
 
     def tenant_stats(
         self, *, after: str = "", limit: int = 50, tenants: Sequence[str] | None = None

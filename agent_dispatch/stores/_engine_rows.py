@@ -111,9 +111,6 @@ class Tx(Protocol):
         after: str | None,
     ) -> list[Row]: ...
 
-    def backlog(self, limit: int) -> list[tuple[str, int, int, float | None]]:
-        """(tenant, queued, running, oldest queued created_at) per tenant with unfinished work."""
-
     def tenant_stats(
         self, after: str, limit: int, tenants: list[str] | None
     ) -> list[tuple[str, int, int, int, float | None, float | None]]:

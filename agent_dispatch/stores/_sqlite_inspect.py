@@ -1,8 +1,8 @@
 """The SQLite store's queries for the web UI (``Inspectable``), mixed into its transaction class.
 
 Each is bounded by an index or a ``LIMIT``: held leases read the lease-expiry index, events the
-outcome log's primary key from a position on. The per-tenant backlog reads the unfinished rows
-only (a local store's backlog is small; PostgreSQL answers it from its claim indexes).
+outcome log's primary key from a position on. A tenants page counts its tenants' rows (a local
+store is small; PostgreSQL keeps per-tenant counters instead).
 """
 
 from __future__ import annotations
@@ -59,17 +59,6 @@ class SqliteInspectTx:
             params.extend([after] + ([tenant] if tenant is not None else []))
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         return self._rows(f"SELECT {_COLUMNS} FROM {T} {clause} ORDER BY seq DESC LIMIT ?", [*params, limit])
-
-    def backlog(self, limit: int) -> list[tuple[str, int, int, float | None]]:
-        rows = self.conn.execute(
-            f"SELECT tenant, sum(state IN ('submitted', 'ready')) AS queued,"
-            f" sum(state IN ('leased', 'running')),"
-            f" min(CASE WHEN state IN ('submitted', 'ready') THEN created_at END)"
-            f" FROM {T} WHERE state IN ('submitted', 'ready', 'leased', 'running')"
-            f" GROUP BY tenant ORDER BY queued DESC, tenant LIMIT ?",
-            (limit,),
-        ).fetchall()
-        return [(str(t), int(q), int(r), None if o is None else float(o)) for t, q, r, o in rows]
 
     def tenant_stats(
         self, after: str, limit: int, tenants: list[str] | None

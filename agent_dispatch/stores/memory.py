@@ -217,20 +217,6 @@ class _MemoryTx:
             rows = [row for row in rows if row.seq < anchor.seq]
         return [row.copy() for row in rows[:limit]]
 
-    def backlog(self, limit: int) -> list[tuple[str, int, int, float | None]]:
-        tenants: dict[str, list[Any]] = {}
-        for row in self.t.items.values():
-            if row.state.terminal:
-                continue
-            entry = tenants.setdefault(row.tenant, [0, 0, None])
-            if row.state in LEASED_STATES:
-                entry[1] += 1
-            else:
-                entry[0] += 1
-                entry[2] = row.created_at if entry[2] is None else min(entry[2], row.created_at)
-        ranked = sorted(tenants.items(), key=lambda kv: (-kv[1][0], kv[0]))
-        return [(tenant, q, r, oldest) for tenant, (q, r, oldest) in ranked[:limit]]
-
     def tenant_stats(
         self, after: str, limit: int, tenants: list[str] | None
     ) -> list[tuple[str, int, int, int, float | None, float | None]]:

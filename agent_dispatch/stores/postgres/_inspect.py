@@ -15,7 +15,7 @@ from agent_dispatch.db import sql
 from agent_dispatch.db.migrate import ComponentVersions, Schema, apply
 from agent_dispatch.errors import DispatchError, InvalidRequest, InvalidTransition, NotFound
 from agent_dispatch.models import OutcomeRecord, WorkItem, WorkState
-from agent_dispatch.store import SeqEvent, TenantBacklog, bound_error
+from agent_dispatch.store import SeqEvent, TenantStats, bound_error
 from agent_dispatch.stores._common import (
     DEPENDENCY_FAILED,
     ITEM_SELECT,
@@ -26,7 +26,6 @@ from agent_dispatch.stores._common import (
 )
 from agent_dispatch.stores.postgres._base import Conn, PostgresBase
 from agent_dispatch.stores.postgres.statements import NOW, event_sql
-from agent_dispatch.stores.tenant_stats import TenantStats
 
 _SQL: Final = sql.load(__package__ or "agent_dispatch.stores.postgres", "sql/inspect.sql")
 _FIELDS: Final = {
@@ -44,7 +43,6 @@ def _render(name: str, **fields: str) -> str:
 
 BROWSE_AFTER: Final = _render("browse_after")
 DEPENDENTS: Final = _render("dependents")
-BACKLOG: Final = _render("backlog")
 HELD: Final = _render("held")
 EVENTS_AFTER: Final = _render("events_after")
 NEWEST_EVENT: Final = _render("newest_event")
@@ -86,7 +84,7 @@ def _event(rec: DictRow) -> SeqEvent:
 
 
 class Inspecting(PostgresBase):
-    """``agent_dispatch.store.Inspectable`` and ``TenantPages`` for the PostgreSQL store."""
+    """``agent_dispatch.store.Inspectable`` for the PostgreSQL store."""
 
     def migrate(self) -> int:
         version = super().migrate()
@@ -154,18 +152,6 @@ class Inspecting(PostgresBase):
     def dependents(self, work_item_id: str) -> list[str]:
         rows = self._run(lambda c: c.execute(DEPENDENTS, {"id": work_item_id}).fetchall(), transaction=False)
         return [str(rec["dependent"]) for rec in rows]
-
-    def backlog(self, *, limit: int = 1000) -> list[TenantBacklog]:
-        rows = self._run(lambda c: c.execute(BACKLOG, {"limit": limit}).fetchall(), transaction=False)
-        return [
-            TenantBacklog(
-                rec["tenant"],
-                int(rec["queued"]),
-                int(rec["running"]),
-                None if rec["oldest"] is None else require_dt(rec["oldest"]),
-            )
-            for rec in rows
-        ]
 
     def held_leases(self, *, limit: int = 200) -> list[WorkItem]:
         rows = self._run(lambda c: c.execute(HELD, {"limit": limit}).fetchall(), transaction=False)

@@ -11,16 +11,6 @@ seq < (SELECT seq FROM agent_dispatch_work_items WHERE id = %(after)s AND (%(ten
 -- name: dependents
 SELECT dependent FROM agent_dispatch_dependencies WHERE dependency = %(id)s ORDER BY dependent
 
--- name: backlog
--- Unfinished rows only: the claim indexes hold ready/leased/running, so finished history is never read.
-SELECT tenant,
-       count(*) FILTER (WHERE state IN ('submitted', 'ready')) AS queued,
-       count(*) FILTER (WHERE state IN ('leased', 'running')) AS running,
-       min(created_at) FILTER (WHERE state IN ('submitted', 'ready')) AS oldest
-FROM agent_dispatch_work_items
-WHERE state IN ('submitted', 'ready', 'leased', 'running')
-GROUP BY tenant ORDER BY queued DESC, tenant LIMIT %(limit)s
-
 -- name: held
 -- The lease-expiry partial index, read from its head.
 SELECT {item} FROM agent_dispatch_work_items WHERE state IN ('leased', 'running')
