@@ -257,9 +257,11 @@ def run(server: Any, items: int, tenants: int, samples: int, log_dir: Path) -> d
 COUNT_TRIGGERS = ("agent_dispatch_tenant_count_insert", "agent_dispatch_tenant_count_update")
 
 
-def trigger_cost(server: Any, cycles: int, rounds: int, block: int = 100) -> dict[str, Any]:
+def trigger_cost(server: Any, cycles: int, rounds: int, block: int = 100, batch: int = 1) -> dict[str, Any]:
     """What the per-tenant counters add to the hot path: submit + claim + commit cycles through
-    the store with their triggers enabled and disabled, alternating blocks on one database."""
+    the store with their triggers enabled and disabled, alternating blocks on one database. With
+    ``batch`` > 1, the worker's batched path: ``batch`` items per batch submit, ``start_many`` and
+    ``commit_many`` (a cycle is still one item)."""
     from agent_dispatch.models import Outcome, SubmitRequest
 
     driver = OursDriver("postgres", Databases(server))
@@ -272,6 +274,14 @@ def trigger_cost(server: Any, cycles: int, rounds: int, block: int = 100) -> dic
 
     def cycle_block(n: int, tenant: str) -> float:
         started = time.perf_counter()
+        if batch > 1:
+            for _ in range(n // batch):
+                requests = [SubmitRequest(tenant=tenant, kind="turn", payload=b"{}") for _ in range(batch)]
+                made = store.submit_many_in_transaction(requests, lambda conn, items: None)
+                ids = [r.item.id for r in made if not isinstance(r, Exception)]
+                started_turns = store.start_many("bench", [(i, tenant) for i in ids])
+                store.commit_many([(t.lease, Outcome.SUCCEEDED, None) for t in started_turns.values()])
+            return time.perf_counter() - started
         for _ in range(n):
             item = store.submit(SubmitRequest(tenant=tenant, kind="turn", payload=b"{}")).item
             lease = store.claim("bench", work_item_id=item.id)
@@ -303,6 +313,7 @@ def trigger_cost(server: Any, cycles: int, rounds: int, block: int = 100) -> dic
     result = {
         "cycles": cycles,
         "rounds": rounds,
+        "batch": batch,
         "with_counters_us": round(median(on), 1),
         "without_counters_us": round(median(off), 1),
         "runs_on_us": [round(x, 1) for x in on],
@@ -310,7 +321,7 @@ def trigger_cost(server: Any, cycles: int, rounds: int, block: int = 100) -> dic
     }
     say(
         f"submit+claim+commit per cycle: {result['with_counters_us']:.0f} us with the per-tenant counters, "
-        f"{result['without_counters_us']:.0f} us without (medians of {rounds} rounds of {cycles})"
+        f"{result['without_counters_us']:.0f} us without (batches of {batch}; medians of {rounds} rounds of {cycles})"
     )
     return result
 
@@ -337,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         result = run(srv, args.items, args.tenants, args.samples, log_dir) if args.items else {"pages": {}}
         if args.trigger_cost:
             result["trigger_cost"] = trigger_cost(srv, args.trigger_cost, rounds=3)
+            result["trigger_cost_batched"] = trigger_cost(
+                srv, args.trigger_cost, rounds=3, block=160, batch=16
+            )
     if "grouped_backlog_ms" in result:
         print(f"previous tenants read (GROUP BY over unfinished rows): {result['grouped_backlog_ms']:.0f} ms")
     for name, r in result["pages"].items():
