@@ -62,14 +62,13 @@ LAYOUTS = [
 SEPARATE_LAYOUTS = [p for p in LAYOUTS if "separate" in str(p.values[0])]
 
 
-def _terminate_backends(dsn: str) -> Callable[[], None]:
+def _delete_depth_counter(dsn: str) -> Callable[[], None]:
+    """The queue's depth cannot be read any more (its counter row is gone): never taken as zero.
+    (Ending the pool's connections no longer breaks a probe: the pool replaces dead ones.)"""
+
     def run() -> None:
-        dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-                (dbname,),
-            )
+            conn.execute("DELETE FROM agent_dispatch_queue_depth")
 
     return run
 
@@ -102,7 +101,7 @@ def make_layout(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Call
                 queue_dsn = server.create_database(f"q_{uuid.uuid4().hex[:12]}")
             store = PostgresStore(store_dsn, settings)
             transport = PostgresTransport(queue_dsn, max_depth=max_depth, visibility_timeout_s=60)
-            break_probe = _terminate_backends(queue_dsn)
+            break_probe = _delete_depth_counter(queue_dsn)
 
             def second() -> WorkItemStore:
                 other = PostgresStore(store_dsn, settings)

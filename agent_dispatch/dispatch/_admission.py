@@ -1,7 +1,8 @@
 """The three admission strategies, and the choice between them (made once per store/transport pair).
 
 - :class:`OneTransaction`: the queue lives in the WorkItem store's database (PostgreSQL, or the
-  SQLite file). Submit and admit run in ONE transaction, so a refusal keeps nothing.
+  SQLite file). Submit and admit run in ONE transaction (the queue's counter and the store's
+  count of unfinished items both compared in it), so a refusal keeps nothing.
 - :class:`Counted`: the queue lives elsewhere (Kafka) and the store counts its unfinished
   WorkItems: the bounded submit compares and admits against that count in its own transaction,
   so a refusal keeps nothing, and the envelopes are produced after it.
@@ -99,7 +100,12 @@ class _Strategy:
 
 
 class OneTransaction(_Strategy):
-    """Submit and admit in one transaction of the database the store and the queue share."""
+    """Submit and admit in one transaction of the database the store and the queue share.
+
+    The queue's counter bounds the queued deliveries; the store's count of unfinished WorkItems
+    (when the store keeps one: both database stores do) is compared in the same transaction, so
+    turns waiting on a dependency, which have no delivery yet, count under the bound too.
+    """
 
     NEEDS = "a store and a transport in one database"
 
@@ -109,6 +115,12 @@ class OneTransaction(_Strategy):
         self._submitter = store
         self._queue = transport
         self._batch = store if isinstance(store, BatchSubmit) else None
+        self._counter = store if isinstance(store, CountsUnfinished) else None
+
+    def _admit_unfinished(self, conn: Any, items: list[WorkItem]) -> None:
+        # Last in the transaction, after the queue's counters: the lock order every writer keeps.
+        if self._counter is not None:
+            self._counter.admit_unfinished(conn, items, self.settings.max_depth)
 
     @classmethod
     def fits(cls, store: WorkItemStore, transport: Transport) -> bool:
@@ -126,6 +138,7 @@ class OneTransaction(_Strategy):
         def admit_in_submit(conn: Any, item: WorkItem) -> None:
             if admittable(item):
                 self._queue.admit_on(conn, self._turns([item]), bounded=True)
+            self._admit_unfinished(conn, [item])
 
         # The admission runs in the submit's transaction: the insert stamps the dispatch time.
         return self._submitter.submit_in_transaction(request, admit_in_submit, dispatched=True)
@@ -164,6 +177,7 @@ class OneTransaction(_Strategy):
             turns = self._turns([item for item in items if admittable(item)])
             if turns:
                 self._queue.admit_on(conn, turns, bounded=True)
+            self._admit_unfinished(conn, items)
 
         # The admission runs in the same transaction: the insert stamps the dispatch time.
         results = store.submit_many_in_transaction([requests[i] for i in valid], admit_all, dispatched=True)

@@ -254,3 +254,18 @@ def test_a_503_keeps_nothing_and_a_retry_is_a_fresh_attempt(
         if backend == "kafka":
             counts = messages_per_item(gw)
             assert counts[job_b] == 1 and counts[deterministic_id(TENANT, "a")] == 1
+
+
+def test_a_turn_waiting_on_a_dependency_counts_under_the_bound(full_gateway: Running) -> None:
+    """Accepted and unfinished, though it has no delivery yet: it takes room like any other."""
+    gw = full_gateway
+    parent = gw.submit(body("parent"), key="parent").json()
+    child = gw.submit({**body("child"), "depends_on": [parent["job_id"]]}, key="child")
+    assert child.status == 202 and child.json()["state"] == "submitted", child.body
+    refused = gw.submit(body("third"), key="third")
+    assert refused.status == 429, refused.body
+    assert gw.call("GET", f"/api/graph/jobs/{deterministic_id(TENANT, 'third')}").status == 404
+    # The parent finishes and releases the child: one unfinished turn, room for one more.
+    assert finish_one(gw) == parent["job_id"]
+    assert until_accepted(gw, "third", "third")[0]["created"] is True
+    assert gw.submit(body("fourth"), key="fourth").status == 429
