@@ -272,3 +272,39 @@ def _items_read(conn: Any, statement: str, params: dict[str, Any]) -> int:
         ).fetchone()
     assert row is not None
     return int(row[0])
+
+
+@pytest.mark.parametrize("backend", [pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_a_retry_waits_for_a_dependency_that_is_committing(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """PostgreSQL: the retry locks the dependencies it reads. A dependency whose commit is in
+    flight (its release already skipped the dead-lettered dependent) is waited for and then seen
+    succeeded, so the dependent goes to ready; read without the lock it would wait for a release
+    that already happened, forever."""
+    import threading
+
+    import psycopg
+
+    with open_harness(backend, request, tmp_path) as h:
+        s, i = h.store, insp(h)
+        parent = submit(s, "t1")
+        child = submit(s, "t1", depends_on=(parent.id,))
+        s.dead_letter(child.id, reason="poison envelope")
+        dsn = request.getfixturevalue("store_postgres_dsn")
+        with psycopg.connect(dsn) as committing:
+            # A worker's commit of the parent, between its update and its COMMIT.
+            committing.execute(
+                "UPDATE agent_dispatch_work_items SET state = 'succeeded', outcome = 'succeeded' WHERE id = %s",
+                (parent.id,),
+            )
+            result: list[WorkItem] = []
+            retry = threading.Thread(
+                target=lambda: result.append(i.retry_dead_letter(child.id, tenant="t1", reason="x"))
+            )
+            retry.start()
+            retry.join(timeout=1.0)
+            assert retry.is_alive(), "the retry read the dependency without waiting for its commit"
+            committing.commit()
+        retry.join(timeout=10)
+        assert result and result[0].state is WorkState.READY
