@@ -161,6 +161,31 @@ def test_a_dead_lettered_turn_is_shown_escaped_and_retried(
     assert page.console_errors == []
 
 
+def test_retrying_a_dead_lettered_job_that_waits_on_a_dependency_puts_it_back_to_waiting(
+    page: Any, server: Server
+) -> None:
+    login(page, server, server.token)
+    parent = submit(server, server.token, {"sleep_s": 120}, kind="parent")
+    child = submit(server, server.token, {"sleep_s": 0.1}, kind="child", depends_on=[parent])
+    s = store(server)
+    try:
+        assert s.get(child).state.value == "submitted"
+        s.dead_letter(child, reason="poison envelope")
+    finally:
+        s.close()
+    page.goto(f"{server.url}/ui/jobs/{child}")
+    page.get_by_role("button", name="Retry dead letter").click()
+    page.wait_for_url(f"{server.url}/ui/jobs/{child}")
+    # Back to waiting for its dependency, not ready: nothing runs it before the parent succeeds.
+    assert page.locator("#job-state").inner_text() == "submitted"
+    assert page.get_by_role("link", name=parent).is_visible()  # its dependency, both ways
+    page.goto(f"{server.url}/ui/jobs/{parent}")
+    page.get_by_role("button", name="Cancel").click()  # the dependent is cancelled with it
+    page.goto(f"{server.url}/ui/jobs/{child}")
+    assert page.locator("#job-state").inner_text() == "cancelled"
+    assert page.console_errors == []
+
+
 def test_csp_blocks_inline_script(page: Any, server: Server) -> None:
     login(page, server, server.token)
     page.goto(f"{server.url}/ui/jobs")
