@@ -247,9 +247,13 @@ def transport_probe(settings: Settings) -> Iterable[Check]:
         "partitions": partitions,
     }
     detail = f"{backend} reachable; depth {depth} of {settings.max_depth}"
-    if settings.backend is Backend.KAFKA:
-        detail += f"; topic has {partitions} partitions (configured {settings.partitions})"
     status: Status = "warn" if depth >= settings.max_depth else "ok"
+    if settings.backend is Backend.KAFKA:
+        # The lag counts re-driven duplicates and uncommitted offsets: a signal for autoscaling,
+        # not the bound (the store's count of unfinished turns is; see the schema check).
+        detail = f"{backend} reachable; consumer-group lag {depth} (the autoscaling signal, not the bound)"
+        detail += f"; topic has {partitions} partitions (configured {settings.partitions})"
+        status = "ok"
     if status == "warn":
         detail += "; the queue is full: new turns are refused (429)"
     return [Check("transport", status, detail, data)]
@@ -270,15 +274,27 @@ def schema_probe(settings: Settings) -> Iterable[Check]:
 
     if settings.state_db_uri is None and not settings.sqlite_path.exists():
         return [Check("schema", "warn", "no local database yet; `agent-dispatch migrate` creates it")]
+    from agent_dispatch.store import CountsUnfinished
+
     store = open_store(settings)
     try:
         # Any read checks the schema version first; a tenant nobody has keeps it O(1).
         store.list_items(tenant="doctor.schema-probe", limit=1)
+        unfinished = store.unfinished() if isinstance(store, CountsUnfinished) else None
     except SchemaOutdated as exc:
         return [Check("schema", "fail", str(exc), {"required": SCHEMA_VERSION})]
     finally:
         store.close()
-    return [Check("schema", "ok", f"current (version {SCHEMA_VERSION})", {"version": SCHEMA_VERSION})]
+    data: dict[str, Any] = {"version": SCHEMA_VERSION}
+    detail = f"current (version {SCHEMA_VERSION})"
+    if unfinished is None:
+        return [Check("schema", "ok", detail, data)]
+    # Accepted, unfinished turns: what AGENT_DISPATCH_MAX_DEPTH bounds on every transport.
+    data.update(unfinished=unfinished, max_depth=settings.max_depth)
+    detail += f"; {unfinished} unfinished turns of the bound {settings.max_depth}"
+    if unfinished >= settings.max_depth:
+        return [Check("schema", "warn", detail + ": new turns are refused (429)", data)]
+    return [Check("schema", "ok", detail, data)]
 
 
 def heartbeat_probe(settings: Settings) -> Iterable[Check]:

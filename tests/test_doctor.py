@@ -142,6 +142,8 @@ def test_doctor_probes_a_local_install_and_hides_its_paths(tmp_path: Path) -> No
         "partitions": 6,
     }
     assert checks["schema"]["status"] == "ok" and "current" in str(checks["schema"]["detail"])
+    # The store's count of unfinished turns against the bound (what admission compares, every backend).
+    assert checks["schema"]["data"] == {"version": 2, "unfinished": 0, "max_depth": 100_000}
     assert checks["signing_key"]["status"] == "ok"
     assert checks["worker_heartbeats"]["status"] == "ok"
     human = run_doctor(env)
