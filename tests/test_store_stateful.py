@@ -45,11 +45,11 @@ from agent_dispatch.errors import (
     TenantMismatch,
 )
 from agent_dispatch.models import LEASED_STATES, Lease, Outcome, SubmitRequest, WorkItem, WorkState
-from agent_dispatch.store import WorkItemStore
+from agent_dispatch.store import CountsUnfinished, WorkItemStore
 from agent_dispatch.stores.memory import MemoryStore
 from agent_dispatch.stores.postgres import PostgresStore
 from agent_dispatch.stores.sqlite import SqliteStore
-from tests.contract._store_harness import FakeClock, store_settings
+from tests.contract._store_harness import FakeClock, reset_postgres, store_settings
 
 TTL = 60.0
 MAX_ATTEMPTS = 3
@@ -461,6 +461,8 @@ class StoreMachine(RuleBasedStateMachine):
             item.id: item for tenant in TENANTS for item in self.store.list_items(tenant=tenant, limit=1000)
         }
         assert set(stored) == set(self.model)
+        if isinstance(self.store, CountsUnfinished):  # the admission bound's O(1) count (schema v2)
+            assert self.store.unfinished() == sum(not m.state.terminal for m in self.model.values())
         for item_id, m in self.model.items():
             got = stored[item_id]
             assert got.state is m.state, f"{item_id}: store {got.state}, model {m.state}"
@@ -538,14 +540,9 @@ def postgres_store(postgres_dsn: str) -> Iterator[PostgresStore]:
 
 @pytest.mark.postgres
 def test_postgres_store_against_the_model(postgres_store: PostgresStore, postgres_dsn: str) -> None:
-    import psycopg
-
     def open_store() -> tuple[WorkItemStore, Callable[[float], None], Callable[[], None]]:
         # One database for the whole test: each example starts from empty tables and clock.
-        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
-            conn.execute(
-                "TRUNCATE agent_dispatch_work_items, agent_dispatch_dependencies, agent_dispatch_outcomes"
-            )
+        reset_postgres(postgres_dsn)
         postgres_store.set_clock_offset_for_tests(0)
         return postgres_store, _offset_mover(postgres_store), lambda: None
 
