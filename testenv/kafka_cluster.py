@@ -17,12 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
 from testenv._common import ServiceUnavailable, free_port, progress
-from testenv.kafka import KAFKA_VERSION, KafkaBroker, _quiet_logger, _random_cluster_id
-
-#: Seconds for the nodes being started to serve. Longer than one broker's: three JVMs boot at
-#: once on a shared 2-core machine, and under a load average of 100+ (other test runs) a node
-#: was seen to need more than 90 s.
-START_TIMEOUT_S = 240
+from testenv.kafka import KAFKA_VERSION, START_TIMEOUT_S, KafkaBroker, _quiet_logger, _random_cluster_id
 
 #: Three JVMs share the machine with the tests: a small heap each (a node idles at ~150 MiB).
 NODE_HEAP = (
@@ -254,15 +249,19 @@ class KafkaCluster:
                 raise ServiceUnavailable(f"no leader for {topic}[{partition}] within {timeout:g}s")
             time.sleep(0.2)
 
-    def wait_fully_replicated(self, topic: str, timeout: float = 60.0) -> None:
-        """Until every partition of ``topic`` has a leader and all its replicas in sync."""
+    def wait_fully_replicated(
+        self, topic: str, timeout: float = 60.0
+    ) -> dict[int, tuple[int, list[int], list[int]]]:
+        """Until every partition of ``topic`` has a leader and all its replicas in sync; returns
+        :meth:`partitions`. Nodes learn metadata at their own pace (one just restarted may not
+        know a new topic yet), so an unknown topic is waited for like an out-of-sync replica."""
         deadline = time.monotonic() + timeout
         state: Any = None
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
                 state = self.partitions(topic, timeout=5)
                 if all(leader > 0 and set(isr) == set(reps) for leader, reps, isr in state.values()):
-                    return
+                    return dict(state)
             time.sleep(0.25)
         raise ServiceUnavailable(f"{topic} not fully replicated within {timeout:g}s: {state}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
@@ -63,6 +64,19 @@ def _read_all(bootstrap: str, topic: str) -> set[bytes]:
         consumer.close()
 
 
+def _topic_config(admin: Any, topic: str) -> dict[str, Any]:
+    # The node that answers may have restarted a moment ago and not know the topic yet.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            described = admin.describe_configs([ConfigResource("topic", topic)])
+            return dict(next(iter(described.values())).result(timeout=10))
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_replicated_topic_survives_a_leader_kill_and_refuses_without_quorum(
     kafka_cluster: KafkaCluster, topic: str
 ) -> None:
@@ -71,11 +85,10 @@ def test_replicated_topic_survives_a_leader_kill_and_refuses_without_quorum(
     # The transport's own call (KafkaTransport.ensure_ready): no replication factor given, so the
     # cluster's default (3) applies; the operator passes spec.kafka.replicationFactor when set.
     ensure_topic(admin, topic, PARTITIONS)
-    cluster.wait_fully_replicated(topic)
-    assert {len(replicas) for _leader, replicas, _isr in cluster.partitions(topic).values()} == {3}
-    described = admin.describe_configs([ConfigResource("topic", topic)])
-    config = next(iter(described.values())).result(timeout=30)
-    assert config["min.insync.replicas"].value == "2"
+    partitions = cluster.wait_fully_replicated(topic)
+    assert len(partitions) == PARTITIONS
+    assert {len(replicas) for _leader, replicas, _isr in partitions.values()} == {3}
+    assert _topic_config(admin, topic)["min.insync.replicas"].value == "2"
 
     def producer(delivery_timeout_s: float) -> ConfirmingProducer:
         tuning = KafkaTuning(delivery_timeout_s=delivery_timeout_s)
