@@ -5,6 +5,11 @@ module proxy approves (go1.27.3), so the newest release that builds here, v2.21.
 is used. The programs run as host processes inside the node's network namespace (as real as pods,
 and without building KEDA's images); the adapter is registered as ``v1beta1.external.metrics.k8s.io``
 through a selector-less Service whose EndpointSlice names the namespace's own address.
+
+Both programs run as KEDA's own identity, not as the cluster admin: the ServiceAccount
+``keda/keda-operator`` and the RBAC that KEDA's release ships for it (``config/service_account``,
+``config/rbac`` and ``config/metrics-server`` of the module, applied as they are), with a token from
+the TokenRequest API. A permission KEDA's manifests do not grant is therefore missing here too.
 """
 
 from __future__ import annotations
@@ -127,6 +132,33 @@ OPERATOR_METRICS_PORT = 18082
 START_TIMEOUT_S = 180.0
 
 
+#: KEDA's manifests (module paths) that create its ServiceAccount and bind it to KEDA's roles: the
+#: operator's ClusterRole/Role, the metrics server's auth-delegator and authentication-reader
+#: bindings, and the external-metrics reader for the HPA controller. Their namespace is "keda".
+KEDA_RBAC_MANIFESTS = (
+    "config/service_account/service_account.yaml",
+    "config/rbac/role.yaml",
+    "config/rbac/role_binding.yaml",
+    "config/rbac/aggregate_cluster_roles.yaml",
+    "config/metrics-server/role.yaml",
+    "config/metrics-server/role_binding.yaml",
+)
+#: The identity both programs run as (KEDA's Deployments both name this ServiceAccount).
+KEDA_SERVICE_ACCOUNT = "keda-operator"
+#: The token outlives any test session; the TokenRequest API may shorten it (then it says so).
+KEDA_TOKEN_DURATION = "12h"
+
+
+def keda_rbac_manifests() -> list[Path]:
+    """KEDA's ServiceAccount and RBAC manifests, as its release ships them."""
+    root = keda_module_dir()
+    paths = [root / name for name in KEDA_RBAC_MANIFESTS]
+    missing = [str(path) for path in paths if not path.is_file()]
+    if missing:
+        raise ServiceUnavailable(f"{KEDA_MODULE}@{KEDA_VERSION} lacks {missing}")
+    return paths
+
+
 def keda_crds() -> list[Path]:
     """KEDA's CRDs as its release ships them (config/crd/bases of the module)."""
     crds = sorted((keda_module_dir() / "config" / "crd" / "bases").glob("*.yaml"))
@@ -152,7 +184,10 @@ class KedaRunner:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._displaced_apiservice: dict[str, Any] | None = None
         self._stopped = False
+        self._rbac_applied = False
         self.timings: dict[str, float] = {}
+        #: The kubeconfig both programs use: KEDA's ServiceAccount token (set by ``start()``).
+        self.kubeconfig: Path | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -164,6 +199,7 @@ class KedaRunner:
             self.timings["build_s"] = time.monotonic() - started
             mark = time.monotonic()
             self._install_crds()
+            self._install_identity()
             self._issue_certificates()
             self._start_operator(binaries["keda"])
             self._start_adapter(binaries["keda-adapter"])
@@ -195,6 +231,10 @@ class KedaRunner:
             self._kubectl("create", "-f", "-", input=json.dumps(self._displaced_apiservice))
         for name in ("keda-adapter", "keda-operator"):
             stop_process(self._procs.get(name), timeout=20)
+        if self._rbac_applied:
+            # Cluster-scoped roles and bindings (and the one in kube-system) outlive the namespace.
+            for manifest in reversed(keda_rbac_manifests()):
+                self._kubectl("delete", "-f", str(manifest), "--ignore-not-found", "--wait=false")
         self._kubectl("delete", "namespace", KEDA_NAMESPACE, "--ignore-not-found", "--wait=false")
         if not os.environ.get("AGENT_DISPATCH_KEEP_KUBE"):
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -223,6 +263,24 @@ class KedaRunner:
         )
         self.node.kubectl("create", "namespace", KEDA_NAMESPACE, check=False)
 
+    def _install_identity(self) -> None:
+        """KEDA's ServiceAccount bound to KEDA's roles, and a kubeconfig with a token for it."""
+        self._rbac_applied = True
+        for manifest in keda_rbac_manifests():
+            self.node.kubectl("apply", "-f", str(manifest), timeout=120)
+        token = self.node.kubectl(
+            "create",
+            "token",
+            KEDA_SERVICE_ACCOUNT,
+            "-n",
+            KEDA_NAMESPACE,
+            f"--duration={KEDA_TOKEN_DURATION}",
+        ).stdout.strip()
+        assert self.node.plane is not None
+        self.kubeconfig = self.node.plane.kubeconfig_for_token(
+            token, f"system:serviceaccount:{KEDA_NAMESPACE}:{KEDA_SERVICE_ACCOUNT}"
+        )
+
     def _issue_certificates(self) -> None:
         """One CA and one certificate for both programs, as KEDA's own cert rotation issues it:
         the operator serves gRPC with it, the adapter presents it as the gRPC client and serves
@@ -244,9 +302,10 @@ class KedaRunner:
         self.ca_bundle = ca.cert.read_bytes()
 
     def _env(self) -> dict[str, str]:
+        assert self.kubeconfig is not None, "start() makes KEDA's kubeconfig first"
         return {
             **os.environ,
-            "KUBECONFIG": str(self.node.kubeconfig),
+            "KUBECONFIG": str(self.kubeconfig),
             "POD_NAMESPACE": KEDA_NAMESPACE,
             "KEDA_CLUSTER_OBJECT_NAMESPACE": KEDA_NAMESPACE,
             "WATCH_NAMESPACE": "",
@@ -302,7 +361,7 @@ class KedaRunner:
 
     def _start_adapter(self, binary: Path) -> None:
         node_ip = self.node.node_ip
-        kubeconfig = str(self.node.kubeconfig)
+        kubeconfig = str(self.kubeconfig)
         proc = self._spawn(
             "keda-adapter",
             [

@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,12 @@ from tests.node._support import describe, pods, ready
 
 TENANT = "node-tests"
 TOKEN = "node-token-" + "z" * 24
+#: The claim TTL of the scaling tests' AgentDispatch objects: the product's default. It is also the
+#: visibility timeout after which the recovery sweep re-drives a ready turn; on Kafka a re-drive is
+#: a second message (the sweep does not ask ``KafkaTransport.queued_work_items`` yet), so with the
+#: faults tests' 20 s every turn waiting longer than that in the backlog was doubled, and on a busy
+#: machine the lag, the very signal under test, outlived the backlog by minutes.
+SCALING_CLAIM_TTL_S = 120
 TERMINAL = {WorkState.SUCCEEDED, WorkState.FAILED, WorkState.CANCELLED, WorkState.DEAD_LETTER}
 
 
@@ -44,7 +51,9 @@ class PodDispatch:
         kafka_bootstrap: str | None = None,
         replicas: int = 2,
         extra_spec: dict[str, Any] | None = None,
+        claim_ttl_s: int = 20,
     ) -> None:
+        """``claim_ttl_s``: short by default, so a killed worker's turns come back quickly."""
         from tests.node.conftest import DISPATCH_NAMES
 
         assert name in DISPATCH_NAMES, (
@@ -56,14 +65,14 @@ class PodDispatch:
             "TASK_QUEUE_BACKEND": backend,
             "STATE_DB_URI": dsn,
             "AGENT_DISPATCH_SIGNING_KEY": KEY,
-            "AGENT_DISPATCH_CLAIM_TTL_S": "20",
+            "AGENT_DISPATCH_CLAIM_TTL_S": str(claim_ttl_s),
             "AGENT_DISPATCH_RENEW_INTERVAL_S": "2",
             "AGENT_DISPATCH_DATA_DIR": str(tmp_path / "data"),
         }
         spec: dict[str, Any] = {
             "backend": backend,
             "partitions": 4,
-            "claimTtlSeconds": 20,
+            "claimTtlSeconds": claim_ttl_s,
             "renewIntervalSeconds": 2,
             "sweepIntervalSeconds": 2,
             "postgres": {"dsnSecretRef": {"name": f"{name}-conn", "key": "dsn"}},
@@ -92,6 +101,8 @@ class PodDispatch:
         self.gateway_log = tmp_path / f"gateway-{name}.log"
         self.accepted: list[str] = []
         self.last_refusal = ""
+        #: Every refusal the gateway gave (monotonic time, "status body"): what a slow start shows.
+        self.refusals: list[tuple[float, str]] = []
         self.backend_handle = Backend(backend, self.env)
         self._store: Any = None
 
@@ -197,22 +208,31 @@ class PodDispatch:
             assert time.monotonic() < deadline, self.gateway_log.read_text()[-3000:]
             time.sleep(0.2)
 
-    def submit(self, count: int, *, sleep_s: float = 0.0, sessions: int = 8) -> list[str]:
-        """POST ``count`` turns through the gateway; returns the accepted job ids."""
-        ids = []
-        for index in range(count):
+    def submit(self, count: int, *, sleep_s: float = 0.0, sessions: int = 8, parallel: int = 1) -> list[str]:
+        """POST ``count`` turns through the gateway; returns the accepted job ids, in order.
+
+        ``parallel`` requests at a time (clients of a backlog do not queue behind one another; one
+        at a time, a loaded machine took a minute for 60 turns, and the backlog drained meanwhile).
+        Turns of one session are submitted in order only with ``parallel=1``.
+        """
+
+        def one(index: int) -> str:
             body = {"kind": "node", "session_id": f"s{index % sessions}", "payload": {"sleep_s": sleep_s}}
             key = f"{self.name}-{uuid.uuid4().hex}"
             for _attempt in range(30):
                 status, answer = self._post(body, key)
                 if status in (200, 201, 202):
-                    ids.append(str(answer["job_id"]))
-                    break
+                    return str(answer["job_id"])
                 time.sleep(0.5)  # 429/503/unreachable: retry the same key
-            else:
-                raise AssertionError(
-                    f"turn {index} never accepted ({self.last_refusal}); gateway log:\n{self.gateway_log.read_text()[-2000:]}"
-                )
+            raise AssertionError(
+                f"turn {index} never accepted ({self.last_refusal}); gateway log:\n{self.gateway_log.read_text()[-2000:]}"
+            )
+
+        if parallel <= 1:
+            ids = [one(index) for index in range(count)]
+        else:
+            with ThreadPoolExecutor(max_workers=parallel) as pool:
+                ids = list(pool.map(one, range(count)))
         self.accepted += ids
         return ids
 
@@ -232,8 +252,10 @@ class PodDispatch:
                 return int(response.status), json.loads(response.read())
         except urllib.error.HTTPError as exc:
             self.last_refusal = f"{exc.code} {exc.read()[:300]!r}"
+            self.refusals.append((time.monotonic(), self.last_refusal))
             return int(exc.code), {}
-        except OSError:
+        except OSError as exc:
+            self.refusals.append((time.monotonic(), f"unreachable {exc}"))
             return None, {}
 
     # -- outcomes ------------------------------------------------------------------------------------

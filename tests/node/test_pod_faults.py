@@ -65,14 +65,14 @@ def test_pod_faults_under_load_every_turn_ends_exactly_once(
         )
         assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
         dispatch.start_gateway()
-        ids = dispatch.submit(30, sleep_s=TURN_S, sessions=30)
+        ids = dispatch.submit(30, sleep_s=TURN_S, sessions=30, parallel=8)
 
         # 1. Delete a worker pod mid-turn: SIGTERM, the worker finishes or hands back within its grace.
         victim = _busy_pod(dispatch, node_sink, 0)
         started = time.monotonic()
         node.kubectl("delete", "pod", victim["metadata"]["name"], "-n", node_release, "--wait=false")
         faults.append({"fault": "pod deleted mid-turn", "pod": victim["metadata"]["name"], "t": started})
-        ids += dispatch.submit(20, sleep_s=TURN_S, sessions=20)
+        ids += dispatch.submit(20, sleep_s=TURN_S, sessions=20, parallel=8)
 
         # 2. SIGKILL a worker container (no grace): its leases expire and the sweep re-drives them.
         dispatch.wait_ready_workers(REPLICAS)
@@ -82,7 +82,7 @@ def test_pod_faults_under_load_every_turn_ends_exactly_once(
         faults.append(
             {"fault": "container SIGKILL", "pod": victim["metadata"]["name"], "t": time.monotonic()}
         )
-        ids += dispatch.submit(20, sleep_s=TURN_S, sessions=20)
+        ids += dispatch.submit(20, sleep_s=TURN_S, sessions=20, parallel=8)
 
         # 3. A spec change rolls the Deployment while turns run; Ready workers never drop below desired.
         dispatch.wait_ready_workers(REPLICAS)
@@ -101,13 +101,23 @@ def test_pod_faults_under_load_every_turn_ends_exactly_once(
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        patch = {"spec": {"worker": {"env": [{"name": "ROLLOUT_MARK", "value": uuid.uuid4().hex[:8]}]}}}
+        mark = uuid.uuid4().hex[:8]
+        patch = {"spec": {"worker": {"env": [{"name": "ROLLOUT_MARK", "value": mark}]}}}
         node.kubectl(
             "patch", "agentdispatch", "faults", "-n", node_release, "--type=merge", "-p", json.dumps(patch)
         )
         faults.append({"fault": "rolling update", "t": time.monotonic()})
-        ids += dispatch.submit(30, sleep_s=TURN_S, sessions=30)
-        time.sleep(2)  # the operator applies the new template
+        ids += dispatch.submit(30, sleep_s=TURN_S, sessions=30, parallel=8)
+        # Until the operator has applied the new template, rollout status sees the old, finished one.
+        deadline = time.monotonic() + 60
+        while (
+            mark
+            not in node.kubectl(
+                "get", "deployment", "faults-worker", "-n", node_release, "-o", "jsonpath={.spec.template}"
+            ).stdout
+        ):
+            assert time.monotonic() < deadline, "the operator never applied the spec change"
+            time.sleep(0.5)
         rollout = node.kubectl(
             "rollout",
             "status",
