@@ -102,6 +102,18 @@ class AckMany(Protocol):
 
 
 @runtime_checkable
+class KnowsQueued(Protocol):
+    """A transport that cannot skip a duplicate on admit, but can say which turns are still queued.
+
+    The database queues skip a turn whose queue row still exists; a log (Kafka) has no row to
+    look up, so the recovery sweep asks first and re-drives only turns without a queued delivery.
+    """
+
+    def queued_work_items(self) -> frozenset[str] | None:
+        """Ids of the work items whose delivery will still be handed out; ``None``: unknown now."""
+
+
+@runtime_checkable
 class AdmitOnConnection(Protocol):
     """A transport that admits on the WorkItem store's connection, inside its open transaction."""
 

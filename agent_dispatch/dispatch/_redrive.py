@@ -10,7 +10,7 @@ from agent_dispatch.dispatch._turns import build_turn
 from agent_dispatch.errors import DispatchError
 from agent_dispatch.settings import RTO_S, Settings
 from agent_dispatch.store import WorkItemStore, bound_error
-from agent_dispatch.transport import OutboundTurn, Transport
+from agent_dispatch.transport import KnowsQueued, OutboundTurn, Transport
 
 RECOVERY_LEADER: Final = "recovery-sweep"
 
@@ -33,11 +33,12 @@ def redrive(
     stale_after_s: float | None = None,
     limit: int = 1000,
 ) -> int:
-    """Re-admit the envelopes of recoverable WorkItems (unbounded); returns how many.
+    """Re-admit the envelopes of recoverable WorkItems (unbounded); returns how many were sent.
 
-    Only the holder of the ``recovery-sweep`` leadership does this. Transports skip a work item
-    that still has a queued delivery, so a re-drive never doubles a live one on the database
-    queues.
+    Only the holder of the ``recovery-sweep`` leadership does this. A re-drive never doubles a
+    queued delivery: the database queues skip such a turn on admit, and a transport that cannot
+    (``KnowsQueued``: Kafka) is asked first. Every item looked at is stamped dispatched either
+    way, so one still waiting behind a backlog is looked at again only after ``stale_after_s``.
     """
     if not store.try_lead(RECOVERY_LEADER):
         return 0
@@ -52,6 +53,12 @@ def redrive(
             store.dead_letter(item.id, reason=bound_error(f"envelope cannot be built: {exc}") or "")
     if not turns:
         return 0
-    transport.admit(turns, bounded=False)
+    send = turns
+    if isinstance(transport, KnowsQueued):
+        queued = transport.queued_work_items()
+        if queued:  # None (unknown just now): re-drive all, as safe as before, only noisier
+            send = [turn for turn in turns if turn.work_item_id not in queued]
+    if send:
+        transport.admit(send, bounded=False)
     store.mark_dispatched([t.work_item_id for t in turns])
-    return len(turns)
+    return len(send)

@@ -6,12 +6,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
+from agent_dispatch import dispatch
+from agent_dispatch.models import SubmitRequest
 from agent_dispatch.settings import load
+from agent_dispatch.stores.sqlite import SqliteStore
 from agent_dispatch.transport import Delivery, OutboundTurn
 from agent_dispatch.transports.kafka import KafkaTransport, KafkaTuning
 from agent_dispatch.transports.kafka._backlog import queued_work_items
@@ -131,3 +135,44 @@ def test_a_redrive_of_everything_adds_only_what_is_not_queued(transport: KafkaTr
 
 def test_an_unreachable_broker_gives_no_answer_rather_than_an_empty_one() -> None:
     assert queued_work_items("127.0.0.1:1", "t", "g", timeout_s=1.0) is None
+
+
+def test_the_recovery_sweep_re_drives_only_turns_without_a_queued_message(
+    transport: KafkaTransport, tmp_path: Path
+) -> None:
+    """``dispatch.redrive`` on Kafka: turns waiting behind a backlog keep their one message (the lag
+    counts each once), a turn whose message never made it is produced again, and every turn looked
+    at is stamped dispatched so the next sweep leaves it alone for another ``stale_after_s``."""
+    key = b"backlog-sweep-test-signing-key-0123456789abcdef"
+    settings = load(
+        backend_choice="kafka",
+        kafka_bootstrap_servers=transport.bootstrap_servers,
+        kafka_topic=transport.topic,
+        kafka_group=transport.group,
+        partitions=3,
+        signing_key=key.decode(),
+        data_dir=tmp_path,
+    )
+    store = SqliteStore(tmp_path / "store.sqlite3", settings)
+    store.migrate()
+    try:
+        waiting = [
+            dispatch.enqueue(store, transport, _request(f"wait-{i}"), signing_key=key, settings=settings)
+            for i in range(5)
+        ]
+        # Stored, but its produce never happened (a process that died between the two).
+        lost = store.submit(_request("lost")).item
+        assert _records(transport) == 5
+
+        sent = dispatch.redrive(store, transport, settings=settings, signing_key=key, stale_after_s=0)
+        assert sent == 1
+        assert _records(transport) == 6
+        assert _queued(transport) == frozenset([r.item.id for r in waiting] + [lost.id])
+        # All six were stamped: a sweep at the default threshold finds nothing stale.
+        assert store.recoverable(stale_after_s=60) == []
+    finally:
+        store.close()
+
+
+def _request(key: str) -> SubmitRequest:
+    return SubmitRequest(tenant="t", kind="chat", payload=b'{"text":"hi"}', idempotency_key=key)

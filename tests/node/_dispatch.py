@@ -27,10 +27,10 @@ from tests.node._support import describe, pods, ready
 TENANT = "node-tests"
 TOKEN = "node-token-" + "z" * 24
 #: The claim TTL of the scaling tests' AgentDispatch objects: the product's default. It is also the
-#: visibility timeout after which the recovery sweep re-drives a ready turn; on Kafka a re-drive is
-#: a second message (the sweep does not ask ``KafkaTransport.queued_work_items`` yet), so with the
-#: faults tests' 20 s every turn waiting longer than that in the backlog was doubled, and on a busy
-#: machine the lag, the very signal under test, outlived the backlog by minutes.
+#: visibility timeout after which the recovery sweep looks at a ready turn again; on Kafka the sweep
+#: asks the topic which turns still have a message queued (``KnowsQueued``) and re-drives only the
+#: others, but a scan that times out on a busy machine re-drives all, and a second message per
+#: waiting turn would keep the lag, the very signal under test, high after the backlog drained.
 SCALING_CLAIM_TTL_S = 120
 TERMINAL = {WorkState.SUCCEEDED, WorkState.FAILED, WorkState.CANCELLED, WorkState.DEAD_LETTER}
 
