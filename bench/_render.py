@@ -136,8 +136,8 @@ def render(data: dict[str, Any]) -> str:
     idle = data.get("idle") or {}
     if idle:
         w(
-            f"| dispatch latency p50 < 20 ms (idle workers) | {idle['dispatch_p50_ms']:.1f} ms | "
-            f"{_verdict(idle['dispatch_p50_ms'] < 20)} |"
+            f"| dispatch latency p50 < 5 ms (idle workers) | {idle['dispatch_p50_ms']:.1f} ms | "
+            f"{_verdict(idle['dispatch_p50_ms'] < 5)} |"
         )
         w(
             f"| idle worker CPU < 1% of a core | {idle['idle_cpu_pct']:.2f}% | {_verdict(idle['idle_cpu_pct'] < 1)} |"

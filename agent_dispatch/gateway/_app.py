@@ -29,7 +29,7 @@ from agent_dispatch.gateway._openapi import openapi_document
 from agent_dispatch.gateway.service import JobService, ServiceError, admission_result
 from agent_dispatch.models import WorkItem
 from agent_dispatch.runtime import Runtime
-from agent_dispatch.settings import Settings
+from agent_dispatch.settings import IO_THREADS, Settings
 from agent_dispatch.store import WorkItemStore
 from agent_dispatch.transport import Transport
 
@@ -38,7 +38,7 @@ log = logging.getLogger("agent_dispatch.gateway")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-THREADS: Final = 16
+THREADS: Final = IO_THREADS
 #: Bodies up to this size are validated on the event loop (tens of microseconds, less than a
 #: thread hop); larger ones in the thread pool.
 INLINE_PARSE_BYTES: Final = 16 * 1024

@@ -19,7 +19,7 @@ from agent_dispatch.db.migrate import ComponentVersions, Schema, apply, require
 from agent_dispatch.db.postgres import first_line, make_pool, retrying
 from agent_dispatch.errors import BackendUnavailable, DispatchError, Fenced, InvalidRequest, NotFound
 from agent_dispatch.models import Lease, OutcomeRecord, WorkItem, WorkState
-from agent_dispatch.settings import Settings
+from agent_dispatch.settings import IO_THREADS, Settings
 from agent_dispatch.settings import load as load_settings
 from agent_dispatch.store import SCHEMA_VERSION
 from agent_dispatch.stores._common import (
@@ -77,7 +77,7 @@ class PostgresBase:
         settings: Settings | None = None,
         *,
         min_size: int = 1,
-        max_size: int = 10,
+        max_size: int = IO_THREADS,
         connect_timeout_s: float = 10.0,
     ) -> None:
         self.limits = Limits.of(settings or load_settings())

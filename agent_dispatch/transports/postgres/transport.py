@@ -27,7 +27,7 @@ from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 from agent_dispatch.db.migrate import apply
 from agent_dispatch.db.postgres import make_pool, retrying
 from agent_dispatch.errors import BackendUnavailable, DepthUnavailable, Fenced, QueueFull
-from agent_dispatch.settings import Backend, Settings
+from agent_dispatch.settings import IO_THREADS, Backend, Settings
 from agent_dispatch.transport import Delivery, OutboundTurn, Receipt
 from agent_dispatch.transports.postgres import schema
 from agent_dispatch.transports.postgres._parts import _Claim, _Maintenance, _ts, _Waker
@@ -62,7 +62,7 @@ class PostgresTransport:
         max_depth: int,
         visibility_timeout_s: float,
         signing_key: bytes | None = None,
-        pool_max_size: int = 10,
+        pool_max_size: int = IO_THREADS,
         connect_timeout_s: float = 10.0,
         statement_timeout_s: float = 30.0,
         poll_interval_s: float = 1.0,
