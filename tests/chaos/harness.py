@@ -28,6 +28,7 @@ from typing import Any
 from agent_dispatch.gateway import hash_token, write_tokens_file
 from agent_dispatch.models import WorkItem, WorkState, deterministic_id
 from agent_dispatch.settings import RTO_S
+from agent_dispatch.store import CountsUnfinished
 from testenv._common import free_port, port_open
 from tests.chaos.kafka_support import REPLICATED, REPLICATED_FAULTS, QuorumWatch
 from tests.chaos.parts import (
@@ -103,6 +104,11 @@ class ChaosRun:
         self.depth_over: list[tuple[float, int]] = []
         self.depth_unavailable = 0
         self.depth_errors: Counter[str] = Counter()
+        #: The store's unfinished count (what admission compares on every transport): sampled
+        #: beside the transport's depth, which on Kafka is the lag, only a signal.
+        self.unfinished_samples = 0
+        self.unfinished_max = 0
+        self.unfinished_over: list[tuple[float, int]] = []
         self.clients: list[ClientStats] = [ClientStats() for _ in range(CLIENTS)]
         self.crashes: list[str] = []
         self.refused_starts = 0
@@ -272,6 +278,16 @@ class ChaosRun:
                 self.depth_max = max(self.depth_max, depth)
                 if depth > self.settings.max_depth:
                     self.depth_over.append((self.elapsed(), depth))
+            if isinstance(self.store, CountsUnfinished):
+                try:
+                    unfinished = self.store.unfinished()
+                except Exception:
+                    pass  # the database is down: the depth probe above counted the outage
+                else:
+                    self.unfinished_samples += 1
+                    self.unfinished_max = max(self.unfinished_max, unfinished)
+                    if unfinished > self.settings.max_depth:
+                        self.unfinished_over.append((self.elapsed(), unfinished))
             if time.monotonic() - last_scrape >= 1.0:
                 last_scrape = time.monotonic()
                 for worker in self.live_workers():

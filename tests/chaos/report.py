@@ -42,7 +42,8 @@ def row(report: dict[str, object]) -> str:
         str(report["turns_completed"]),
         str(report["stale_effects_refused"]),
         str(report.get("superseded_effects", "")),
-        f"{report['depth_max']} / {report['depth_bound']}",
+        f"{report['depth_max']} / {report['depth_bound']}"
+        + (f" (unfinished {report['unfinished_max']})" if "unfinished_max" in report else ""),
         f"{report['recovered_in_s']} s",
         str(len(violations)),
         str(report["seed"]),
