@@ -12,9 +12,7 @@ holds all of them to one behaviour.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from agent_dispatch.errors import InvalidRequest, InvalidTransition, NotFound
+from agent_dispatch.errors import InvalidTransition, NotFound
 from agent_dispatch.models import (
     OutcomeRecord,
     SubmitRequest,
@@ -23,6 +21,7 @@ from agent_dispatch.models import (
     WorkState,
 )
 from agent_dispatch.store import bound_error
+from agent_dispatch.stores._calls import Listing
 from agent_dispatch.stores._common import (
     DEPENDENCY_FAILED,
     Event,
@@ -119,18 +118,10 @@ class EngineStore(InspectCalls, FencedCalls):
             raise NotFound(f"work item {work_item_id} not found")
         return payload
 
-    def list_items(
-        self,
-        *,
-        tenant: str,
-        states: Sequence[WorkState] = (),
-        limit: int = 100,
-        after: str | None = None,
-    ) -> list[WorkItem]:
-        if limit < 1:
-            raise InvalidRequest("limit must be at least 1")
+    def _list_items(self, page: Listing) -> list[WorkItem]:
+        # A listing is a browse with its tenant named: one query for both in every Tx.
         with self._read() as tx:
-            rows = tx.list_items(tenant, [WorkState(s) for s in states], limit, after)
+            rows = tx.browse(page)
         return [make_item(row.record()) for row in rows]
 
     def outcomes(self, work_item_id: str) -> list[OutcomeRecord]:
@@ -182,8 +173,6 @@ class EngineStore(InspectCalls, FencedCalls):
             self._cascade(tx, row)
             return make_item(row.record())
 
-    def mark_dispatched(self, work_item_ids: Sequence[str]) -> None:
-        if not work_item_ids:
-            return
+    def _mark_dispatched(self, work_item_ids: list[str]) -> None:
         with self._write() as tx:
-            tx.touch_dispatched(list(work_item_ids))
+            tx.touch_dispatched(work_item_ids)

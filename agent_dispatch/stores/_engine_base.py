@@ -7,7 +7,7 @@ holder's calls) and :mod:`agent_dispatch.stores._engine` (submit, reads, unfence
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from contextlib import AbstractContextManager
 from datetime import datetime
 
@@ -19,6 +19,7 @@ from agent_dispatch.models import (
     WorkState,
 )
 from agent_dispatch.store import bound_error
+from agent_dispatch.stores._calls import StoreCalls
 from agent_dispatch.stores._common import (
     COMMIT_STATE,
     Event,
@@ -33,7 +34,7 @@ from agent_dispatch.stores._common import (
 from agent_dispatch.stores._engine_rows import Row, Tx
 
 
-class EngineBase(ABC):
+class EngineBase(StoreCalls):
     """What every engine operation stands on: a serialised :class:`Tx` and the shared transitions."""
 
     def __init__(self, limits: Limits) -> None:

@@ -7,9 +7,8 @@ the same token answers as the first did.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from agent_dispatch.errors import InvalidRequest
 from agent_dispatch.models import (
     CommitResult,
     Lease,
@@ -21,9 +20,6 @@ from agent_dispatch.store import StartedTurn, backoff_s, bound_error
 from agent_dispatch.stores._common import (
     Event,
     check_named_claim,
-    check_owner,
-    distinct_claims,
-    distinct_commits,
     fence_violation,
     make_item,
     make_lease,
@@ -36,21 +32,14 @@ from agent_dispatch.stores._engine_rows import Tx
 
 
 class FencedCalls(EngineBase):
-    """Claim and every fenced WorkItemStore operation over the base's :class:`Tx`."""
+    """Claim and every fenced WorkItemStore operation over the base's :class:`Tx` (the public
+    calls, which check their arguments first, are :class:`~agent_dispatch.stores._calls.StoreCalls`')."""
 
     # --- claim -----------------------------------------------------------------------------------
 
-    def claim(
-        self,
-        owner: str,
-        *,
-        work_item_id: str | None = None,
-        queue: str | None = None,
-        tenant: str | None = None,
-        ttl_s: float | None = None,
+    def _claim(
+        self, owner: str, ttl: float, work_item_id: str | None, queue: str | None, tenant: str | None
     ) -> Lease | None:
-        check_owner(owner)
-        ttl = self.limits.ttl(ttl_s)
         with self._write() as tx:
             if work_item_id is not None:
                 named = tx.load(work_item_id)
@@ -65,15 +54,8 @@ class FencedCalls(EngineBase):
                     return lease
             return None
 
-    def start_many(
-        self, owner: str, claims: Sequence[tuple[str, str]], *, ttl_s: float | None = None
-    ) -> dict[str, StartedTurn]:
-        check_owner(owner)
-        ttl = self.limits.ttl(ttl_s)
-        wanted = distinct_claims(claims)
+    def _start_many(self, owner: str, wanted: list[tuple[str, str]], ttl: float) -> dict[str, StartedTurn]:
         started: dict[str, StartedTurn] = {}
-        if not wanted:
-            return started
         with self._write() as tx:
             for work_item_id, tenant in wanted:
                 row = tx.load(work_item_id)
@@ -99,8 +81,7 @@ class FencedCalls(EngineBase):
                 self._run_row(tx, row)
             return make_lease(row.record())
 
-    def renew(self, lease: Lease, *, ttl_s: float | None = None) -> Lease:
-        ttl = self.limits.ttl(ttl_s)
+    def _renew(self, lease: Lease, ttl: float) -> Lease:
         with self._write() as tx:
             row = self._fenced(tx, lease)
             row.lease_expires_at = tx.now + ttl
@@ -111,20 +92,6 @@ class FencedCalls(EngineBase):
     def require_current(self, lease: Lease) -> None:
         with self._read() as tx:
             self._fenced(tx, lease)
-
-    def commit(
-        self,
-        lease: Lease,
-        outcome: Outcome,
-        *,
-        retryable: bool = False,
-        error: str | None = None,
-    ) -> CommitResult:
-        outcome = Outcome(outcome)
-        if outcome is Outcome.FAILED and retryable:
-            item, repeated = self._retry(lease, error)
-            return CommitResult(item, repeated=repeated)
-        return self._commit(lease, outcome, error)
 
     def _commit(
         self,
@@ -152,11 +119,8 @@ class FencedCalls(EngineBase):
                 self._cascade(tx, row)
             return CommitResult(make_item(row.record()), released=tuple(released))
 
-    def commit_many(self, commits: Sequence[tuple[Lease, Outcome, str | None]]) -> dict[str, WorkItem]:
-        wanted = distinct_commits(commits)
+    def _commit_many(self, wanted: list[tuple[Lease, Outcome, str | None]]) -> dict[str, WorkItem]:
         committed: dict[str, WorkItem] = {}
-        if not wanted:
-            return committed
         with self._write() as tx:
             for lease, outcome, error in wanted:
                 row = tx.load(lease.work_item_id)
@@ -167,9 +131,6 @@ class FencedCalls(EngineBase):
                 self._commit_row(tx, row, lease, outcome, error)
                 committed[row.id] = make_item(row.record())
         return committed
-
-    def retry(self, lease: Lease, *, error: str | None = None) -> WorkItem:
-        return self._retry(lease, error)[0]
 
     def _retry(self, lease: Lease, error: str | None) -> tuple[WorkItem, bool]:
         with self._write() as tx:
@@ -197,9 +158,7 @@ class FencedCalls(EngineBase):
                 self._event(tx, row, Event.RETRY, detail=row.error, outcome=Outcome.FAILED, owner=lease.owner)
             return make_item(row.record()), False
 
-    def defer(self, lease: Lease, *, delay_s: float = 0.0) -> WorkItem:
-        if delay_s < 0:
-            raise InvalidRequest("delay_s must not be negative")
+    def _defer(self, lease: Lease, delay_s: float) -> WorkItem:
         with self._write() as tx:
             row = self._fenced(tx, lease)
             row.state = WorkState.READY

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agent_dispatch.errors import InvalidRequest, InvalidTransition, NotFound
+from agent_dispatch.errors import InvalidTransition, NotFound
 from agent_dispatch.models import WorkItem, WorkState
 from agent_dispatch.store import SeqEvent, TenantStats, bound_error
+from agent_dispatch.stores._calls import Listing
 from agent_dispatch.stores._common import DEPENDENCY_FAILED, Event, make_item, to_dt
 from agent_dispatch.stores._engine_base import EngineBase
 
@@ -19,38 +20,16 @@ from agent_dispatch.stores._engine_base import EngineBase
 class InspectCalls(EngineBase):
     """``agent_dispatch.store.Inspectable`` over a serialised Tx."""
 
-    def browse(
-        self,
-        *,
-        tenant: str | None,
-        states: Sequence[WorkState] = (),
-        kind: str | None = None,
-        session_id: str | None = None,
-        limit: int = 100,
-        after: str | None = None,
-    ) -> list[WorkItem]:
-        if limit < 1:
-            raise InvalidRequest("limit must be at least 1")
+    def _browse(self, page: Listing) -> list[WorkItem]:
         with self._read() as tx:
-            rows = tx.browse(
-                tenant,
-                [WorkState(s) for s in states],
-                kind=kind,
-                session_id=session_id,
-                limit=limit,
-                after=after,
-            )
+            rows = tx.browse(page)
         return [make_item(row.record()) for row in rows]
 
     def dependents(self, work_item_id: str) -> list[str]:
         with self._read() as tx:
             return sorted(tx.dependents(work_item_id))
 
-    def tenant_stats(
-        self, *, after: str = "", limit: int = 50, tenants: Sequence[str] | None = None
-    ) -> list[TenantStats]:
-        if limit < 1:
-            raise InvalidRequest("limit must be at least 1")
+    def _tenant_stats(self, after: str, limit: int, tenants: Sequence[str] | None) -> list[TenantStats]:
         with self._read() as tx:
             rows = tx.tenant_stats(after, limit, None if tenants is None else list(tenants))
         return [TenantStats(t, q, r, d, to_dt(oldest), to_dt(served)) for t, q, r, d, oldest, served in rows]

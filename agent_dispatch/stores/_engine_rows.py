@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agent_dispatch.models import Outcome, OutcomeRecord, WorkState
+from agent_dispatch.stores._calls import Listing
 
 
 @dataclass
@@ -94,22 +95,10 @@ class Tx(Protocol):
 
     def payload(self, work_item_id: str) -> bytes | None: ...
 
-    def list_items(
-        self, tenant: str, states: Sequence[WorkState], limit: int, after: str | None
-    ) -> list[Row]: ...
-
     # --- reads for the web UI (agent_dispatch.store.Inspectable) ---------------------------------
 
-    def browse(
-        self,
-        tenant: str | None,
-        states: Sequence[WorkState],
-        *,
-        kind: str | None,
-        session_id: str | None,
-        limit: int,
-        after: str | None,
-    ) -> list[Row]: ...
+    def browse(self, page: Listing) -> list[Row]:
+        """The page's rows, newest (highest seq) first; also serves ``list_items``."""
 
     def tenant_stats(
         self, after: str, limit: int, tenants: list[str] | None

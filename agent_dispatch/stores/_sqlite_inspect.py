@@ -11,7 +11,8 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any, Final
 
-from agent_dispatch.models import OutcomeRecord, WorkState
+from agent_dispatch.models import OutcomeRecord
+from agent_dispatch.stores._calls import Listing
 from agent_dispatch.stores._common import OUTCOME_SELECT, to_dt
 from agent_dispatch.stores._engine_rows import ROW_FIELDS, Row
 
@@ -33,32 +34,26 @@ class SqliteInspectTx:
     def _rows(self, sql: str, params: Sequence[Any]) -> list[Row]:
         raise NotImplementedError
 
-    def browse(
-        self,
-        tenant: str | None,
-        states: Sequence[WorkState],
-        *,
-        kind: str | None,
-        session_id: str | None,
-        limit: int,
-        after: str | None,
-    ) -> list[Row]:
+    def browse(self, page: Listing) -> list[Row]:
+        tenant, states = page.tenant, page.states
         where: list[str] = []
         params: list[Any] = []
-        for column, value in (("tenant", tenant), ("kind", kind), ("session_id", session_id)):
+        for column, value in (("tenant", tenant), ("kind", page.kind), ("session_id", page.session_id)):
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)
         if states:
             where.append(f"state IN ({', '.join('?' * len(states))})")
             params.extend(state.value for state in states)
-        if after is not None:
+        if page.after is not None:
             # An anchor the caller may not see matches no seq: ``seq < NULL`` is never true.
             scope = " AND tenant = ?" if tenant is not None else ""
             where.append(f"seq < (SELECT seq FROM {T} WHERE id = ?{scope})")
-            params.extend([after] + ([tenant] if tenant is not None else []))
+            params.extend([page.after] + ([tenant] if tenant is not None else []))
         clause = f"WHERE {' AND '.join(where)}" if where else ""
-        return self._rows(f"SELECT {_COLUMNS} FROM {T} {clause} ORDER BY seq DESC LIMIT ?", [*params, limit])
+        return self._rows(
+            f"SELECT {_COLUMNS} FROM {T} {clause} ORDER BY seq DESC LIMIT ?", [*params, page.limit]
+        )
 
     def tenant_stats(
         self, after: str, limit: int, tenants: list[str] | None

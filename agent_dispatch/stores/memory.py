@@ -17,6 +17,7 @@ from agent_dispatch.models import LEASED_STATES, OutcomeRecord, WorkState
 from agent_dispatch.settings import Settings
 from agent_dispatch.settings import load as load_settings
 from agent_dispatch.store import SCHEMA_VERSION
+from agent_dispatch.stores._calls import Listing
 from agent_dispatch.stores._common import Limits
 from agent_dispatch.stores._engine import EngineStore
 from agent_dispatch.stores._engine_rows import Row
@@ -175,32 +176,8 @@ class _MemoryTx:
     def payload(self, work_item_id: str) -> bytes | None:
         return self.t.payloads.get(work_item_id)
 
-    def list_items(
-        self, tenant: str, states: Sequence[WorkState], limit: int, after: str | None
-    ) -> list[Row]:
-        rows = [
-            row
-            for row in self.t.items.values()
-            if row.tenant == tenant and (not states or row.state in states)
-        ]
-        rows.sort(key=lambda row: row.seq, reverse=True)
-        if after is not None:
-            anchor = self.t.items.get(after)
-            if anchor is None or anchor.tenant != tenant:
-                return []
-            rows = [row for row in rows if row.seq < anchor.seq]
-        return [row.copy() for row in rows[:limit]]
-
-    def browse(
-        self,
-        tenant: str | None,
-        states: Sequence[WorkState],
-        *,
-        kind: str | None,
-        session_id: str | None,
-        limit: int,
-        after: str | None,
-    ) -> list[Row]:
+    def browse(self, page: Listing) -> list[Row]:
+        tenant, states, kind, session_id = page.tenant, page.states, page.kind, page.session_id
         rows = [
             row
             for row in self.t.items.values()
@@ -210,12 +187,12 @@ class _MemoryTx:
             and (session_id is None or row.session_id == session_id)
         ]
         rows.sort(key=lambda row: row.seq, reverse=True)
-        if after is not None:
-            anchor = self.t.items.get(after)
+        if page.after is not None:
+            anchor = self.t.items.get(page.after)
             if anchor is None or (tenant is not None and anchor.tenant != tenant):
                 return []
             rows = [row for row in rows if row.seq < anchor.seq]
-        return [row.copy() for row in rows[:limit]]
+        return [row.copy() for row in rows[: page.limit]]
 
     def tenant_stats(
         self, after: str, limit: int, tenants: list[str] | None

@@ -217,22 +217,6 @@ class _SqliteTx(SqliteInspectTx):
         rec = self.conn.execute(f"SELECT payload FROM {T} WHERE id = ?", (work_item_id,)).fetchone()
         return None if rec is None else bytes(rec[0])
 
-    def list_items(
-        self, tenant: str, states: Sequence[WorkState], limit: int, after: str | None
-    ) -> list[Row]:
-        where = ["tenant = ?"]
-        params: list[Any] = [tenant]
-        if states:
-            where.append(f"state IN ({', '.join('?' * len(states))})")
-            params.extend(state.value for state in states)
-        if after is not None:
-            where.append(f"seq < (SELECT seq FROM {T} WHERE id = ? AND tenant = ?)")
-            params.extend([after, tenant])
-        return self._rows(
-            f"SELECT {_COLUMNS} FROM {T} WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?",
-            [*params, limit],
-        )
-
 
 @contextmanager
 def _savepoint(conn: sqlite3.Connection) -> Iterator[None]:

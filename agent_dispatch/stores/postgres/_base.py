@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Final, TypeVar
 
@@ -17,11 +17,12 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from agent_dispatch.db import sql
 from agent_dispatch.db.migrate import ComponentVersions, Schema, apply, require
 from agent_dispatch.db.postgres import first_line, make_pool, retrying
-from agent_dispatch.errors import BackendUnavailable, DispatchError, Fenced, InvalidRequest, NotFound
-from agent_dispatch.models import Lease, OutcomeRecord, WorkItem, WorkState
+from agent_dispatch.errors import BackendUnavailable, DispatchError, Fenced, NotFound
+from agent_dispatch.models import Lease, OutcomeRecord, WorkItem
 from agent_dispatch.settings import IO_THREADS, Settings
 from agent_dispatch.settings import load as load_settings
 from agent_dispatch.store import SCHEMA_VERSION
+from agent_dispatch.stores._calls import Listing, StoreCalls
 from agent_dispatch.stores._common import (
     COMPONENT,
     MIGRATE_HINT,
@@ -60,12 +61,27 @@ SCHEMA: Final = Schema(
 )
 
 
+def outcome_record(rec: DictRow) -> OutcomeRecord:
+    """An outcome-log row (``OUTCOME_SELECT``'s columns) as the record every store returns."""
+    return OutcomeRecord(
+        work_item_id=rec["work_item_id"],
+        tenant=rec["tenant"],
+        event=rec["event"],
+        owner=rec["owner"],
+        lease_epoch=int(rec["lease_epoch"]),
+        fencing_token=int(rec["fencing_token"]),
+        at=require_dt(rec["at"]),
+        outcome=rec["outcome"],
+        detail=rec["detail"],
+    )
+
+
 def _leader_key(name: str) -> int:
     digest = hashlib.sha256(f"agent-dispatch:leader:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-class PostgresBase:
+class PostgresBase(StoreCalls):
     """WorkItemStore on PostgreSQL through a psycopg connection pool: everything but transitions."""
 
     #: Class-level so a test can pose as newer code (see tests/contract).
@@ -186,22 +202,13 @@ class PostgresBase:
             raise NotFound(f"work item {work_item_id} not found")
         return bytes(rec["payload"])
 
-    def list_items(
-        self,
-        *,
-        tenant: str,
-        states: Sequence[WorkState] = (),
-        limit: int = 100,
-        after: str | None = None,
-    ) -> list[WorkItem]:
-        if limit < 1:
-            raise InvalidRequest("limit must be at least 1")
-        statement = list_items_sql(states=bool(states), after=after is not None)
+    def _list_items(self, page: Listing) -> list[WorkItem]:
+        statement = list_items_sql(states=bool(page.states), after=page.after is not None)
         params = {
-            "tenant": tenant,
-            "states": [WorkState(s).value for s in states],
-            "after": after,
-            "limit": limit,
+            "tenant": page.tenant,
+            "states": [s.value for s in page.states],
+            "after": page.after,
+            "limit": page.limit,
         }
         rows = self._run(lambda c: c.execute(statement, params).fetchall(), transaction=False)
         return [make_item(rec) for rec in rows]
@@ -210,20 +217,7 @@ class PostgresBase:
         rows = self._run(
             lambda c: c.execute(SELECT_OUTCOMES, {"id": work_item_id}).fetchall(), transaction=False
         )
-        return [
-            OutcomeRecord(
-                work_item_id=rec["work_item_id"],
-                tenant=rec["tenant"],
-                event=rec["event"],
-                owner=rec["owner"],
-                lease_epoch=int(rec["lease_epoch"]),
-                fencing_token=int(rec["fencing_token"]),
-                at=require_dt(rec["at"]),
-                outcome=rec["outcome"],
-                detail=rec["detail"],
-            )
-            for rec in rows
-        ]
+        return [outcome_record(rec) for rec in rows]
 
     def recoverable(self, *, stale_after_s: float, limit: int = 1000) -> list[WorkItem]:
         params = self._p(stale=stale_after_s, limit=limit)

@@ -13,9 +13,10 @@ from psycopg.rows import DictRow
 
 from agent_dispatch.db import sql
 from agent_dispatch.db.migrate import ComponentVersions, Schema, apply
-from agent_dispatch.errors import DispatchError, InvalidRequest, InvalidTransition, NotFound
-from agent_dispatch.models import OutcomeRecord, WorkItem, WorkState
+from agent_dispatch.errors import DispatchError, InvalidTransition, NotFound
+from agent_dispatch.models import WorkItem, WorkState
 from agent_dispatch.store import SeqEvent, TenantStats, bound_error
+from agent_dispatch.stores._calls import Listing
 from agent_dispatch.stores._common import (
     DEPENDENCY_FAILED,
     ITEM_SELECT,
@@ -24,7 +25,7 @@ from agent_dispatch.stores._common import (
     make_item,
     require_dt,
 )
-from agent_dispatch.stores.postgres._base import Conn, PostgresBase
+from agent_dispatch.stores.postgres._base import Conn, PostgresBase, outcome_record
 from agent_dispatch.stores.postgres.statements import NOW, event_sql
 
 _SQL: Final = sql.load(__package__ or "agent_dispatch.stores.postgres", "sql/inspect.sql")
@@ -69,18 +70,7 @@ FAILED_STATES: Final = frozenset(s.value for s in DEPENDENCY_FAILED)
 
 
 def _event(rec: DictRow) -> SeqEvent:
-    record = OutcomeRecord(
-        work_item_id=rec["work_item_id"],
-        tenant=rec["tenant"],
-        event=rec["event"],
-        owner=rec["owner"],
-        lease_epoch=int(rec["lease_epoch"]),
-        fencing_token=int(rec["fencing_token"]),
-        at=require_dt(rec["at"]),
-        outcome=rec["outcome"],
-        detail=rec["detail"],
-    )
-    return SeqEvent(int(rec["seq"]), record)
+    return SeqEvent(int(rec["seq"]), outcome_record(rec))
 
 
 class Inspecting(PostgresBase):
@@ -91,12 +81,7 @@ class Inspecting(PostgresBase):
         self._run(lambda conn: apply(conn, TENANTS_SCHEMA), check_schema=False)
         return version
 
-    def tenant_stats(
-        self, *, after: str = "", limit: int = 50, tenants: Sequence[str] | None = None
-    ) -> list[TenantStats]:
-        if limit < 1:
-            raise InvalidRequest("limit must be at least 1")
-
+    def _tenant_stats(self, after: str, limit: int, tenants: Sequence[str] | None) -> list[TenantStats]:
         def run(conn: Conn) -> list[DictRow]:
             names = (
                 sorted(t for t in tenants if t > after)[:limit]
@@ -122,28 +107,17 @@ class Inspecting(PostgresBase):
         rec = self._run(lambda c: self._one(c, TENANT_FOLD, {"limit": FOLD_LIMIT}))
         return 0 if rec is None else int(rec["folded"])
 
-    def browse(
-        self,
-        *,
-        tenant: str | None,
-        states: Sequence[WorkState] = (),
-        kind: str | None = None,
-        session_id: str | None = None,
-        limit: int = 100,
-        after: str | None = None,
-    ) -> list[WorkItem]:
-        if limit < 1:
-            raise InvalidRequest("limit must be at least 1")
+    def _browse(self, page: Listing) -> list[WorkItem]:
         where = ["true"]
-        params: dict[str, Any] = {"tenant": tenant, "limit": limit, "after": after}
-        for column, value in (("tenant", tenant), ("kind", kind), ("session_id", session_id)):
+        params: dict[str, Any] = {"tenant": page.tenant, "limit": page.limit, "after": page.after}
+        for column, value in (("tenant", page.tenant), ("kind", page.kind), ("session_id", page.session_id)):
             if value is not None:
                 where.append(f"{column} = %({column})s")
                 params[column] = value
-        if states:
+        if page.states:
             where.append("state = ANY(%(states)s)")
-            params["states"] = [WorkState(s).value for s in states]
-        if after is not None:
+            params["states"] = [s.value for s in page.states]
+        if page.after is not None:
             where.append(BROWSE_AFTER)
         statement = _render("browse", where=" AND ".join(where))
         rows = self._run(lambda c: c.execute(statement, params).fetchall(), transaction=False)

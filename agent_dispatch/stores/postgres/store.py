@@ -29,23 +29,20 @@ row is locked, so it sees any dependent whose submit committed while it waited f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
 from psycopg.rows import DictRow
 
-from agent_dispatch.errors import InvalidRequest, InvalidTransition, LeaseHeld, NotFound, TenantMismatch
+from agent_dispatch.errors import InvalidTransition, LeaseHeld, NotFound, TenantMismatch
 from agent_dispatch.models import CommitResult, Lease, Outcome, WorkItem, WorkState
 from agent_dispatch.store import StartedTurn, backoff_s, bound_error
 from agent_dispatch.stores._common import (
     COMMIT_STATE,
     DEPENDENCY_FAILED,
     check_named_claim,
-    check_owner,
     dependency_reason,
-    distinct_claims,
-    distinct_commits,
     fence_violation,
     make_item,
     make_lease,
@@ -83,17 +80,9 @@ class PostgresStore(Inspecting, Submitting):
 
     # --- claim -----------------------------------------------------------------------------------------------
 
-    def claim(
-        self,
-        owner: str,
-        *,
-        work_item_id: str | None = None,
-        queue: str | None = None,
-        tenant: str | None = None,
-        ttl_s: float | None = None,
+    def _claim(
+        self, owner: str, ttl: float, work_item_id: str | None, queue: str | None, tenant: str | None
     ) -> Lease | None:
-        check_owner(owner)
-        ttl = self.limits.ttl(ttl_s)
         params = self._p(owner=owner, ttl=ttl, id=work_item_id, queue=queue, tenant=tenant)
         if work_item_id is not None:
             # Fast path: one autocommit statement. When it takes nothing, find out why (or take
@@ -156,23 +145,14 @@ class PostgresStore(Inspecting, Submitting):
 
         return self._run(run, transaction=False)
 
-    def start_many(
-        self, owner: str, claims: Sequence[tuple[str, str]], *, ttl_s: float | None = None
-    ) -> dict[str, StartedTurn]:
-        check_owner(owner)
-        ttl = self.limits.ttl(ttl_s)
-        wanted = distinct_claims(claims)
-        if not wanted:
-            return {}
+    def _start_many(self, owner: str, wanted: list[tuple[str, str]], ttl: float) -> dict[str, StartedTurn]:
         params = self._p(
             owner=owner, ttl=ttl, ids=[i for i, _ in wanted], tenants=[tenant for _, tenant in wanted]
         )
         rows = self._run(lambda conn: conn.execute(START_MANY, params).fetchall(), transaction=False)
         return {rec["id"]: StartedTurn(make_lease(rec), bytes(rec["payload"])) for rec in rows}
 
-    def renew(self, lease: Lease, *, ttl_s: float | None = None) -> Lease:
-        ttl = self.limits.ttl(ttl_s)
-
+    def _renew(self, lease: Lease, ttl: float) -> Lease:
         def run(conn: Conn) -> Lease:
             rec = self._one(conn, RENEW, self._fence_params(lease, ttl=ttl))
             if rec is None:
@@ -187,20 +167,6 @@ class PostgresStore(Inspecting, Submitting):
         )
         if violation is not None:
             raise violation
-
-    def commit(
-        self,
-        lease: Lease,
-        outcome: Outcome,
-        *,
-        retryable: bool = False,
-        error: str | None = None,
-    ) -> CommitResult:
-        outcome = Outcome(outcome)
-        if outcome is Outcome.FAILED and retryable:
-            item, repeated = self._retry(lease, error)
-            return CommitResult(item, repeated=repeated)
-        return self._commit(lease, outcome, error)
 
     def commit_in_transaction(
         self,
@@ -253,10 +219,7 @@ class PostgresStore(Inspecting, Submitting):
     def _stamp(self, conn: Conn, work_item_ids: list[str]) -> None:
         conn.execute(MARK_DISPATCHED, self._p(ids=work_item_ids))
 
-    def commit_many(self, commits: Sequence[tuple[Lease, Outcome, str | None]]) -> dict[str, WorkItem]:
-        wanted = distinct_commits(commits)
-        if not wanted:
-            return {}
+    def _commit_many(self, wanted: list[tuple[Lease, Outcome, str | None]]) -> dict[str, WorkItem]:
         params = self._p(
             ids=[lease.work_item_id for lease, _, _ in wanted],
             tenants=[lease.tenant for lease, _, _ in wanted],
@@ -269,9 +232,6 @@ class PostgresStore(Inspecting, Submitting):
         )
         rows = self._run(lambda conn: conn.execute(COMMIT_MANY, params).fetchall(), transaction=False)
         return {rec["id"]: make_item(rec) for rec in rows}
-
-    def retry(self, lease: Lease, *, error: str | None = None) -> WorkItem:
-        return self._retry(lease, error)[0]
 
     def _retry(self, lease: Lease, error: str | None) -> tuple[WorkItem, bool]:
         params = self._fence_params(lease, backoff=backoff_s(lease.attempt), error=bound_error(error))
@@ -296,9 +256,7 @@ class PostgresStore(Inspecting, Submitting):
 
         return self._run(run)
 
-    def defer(self, lease: Lease, *, delay_s: float = 0.0) -> WorkItem:
-        if delay_s < 0:
-            raise InvalidRequest("delay_s must not be negative")
+    def _defer(self, lease: Lease, delay_s: float) -> WorkItem:
         params = self._fence_params(lease, delay=delay_s, detail=f"delay {delay_s:g}s" if delay_s else None)
 
         def run(conn: Conn) -> WorkItem:
@@ -348,10 +306,8 @@ class PostgresStore(Inspecting, Submitting):
 
         return self._run(run)
 
-    def mark_dispatched(self, work_item_ids: Sequence[str]) -> None:
-        if not work_item_ids:
-            return
-        params = self._p(ids=list(work_item_ids))
+    def _mark_dispatched(self, work_item_ids: list[str]) -> None:
+        params = self._p(ids=work_item_ids)
         self._run(lambda conn: conn.execute(MARK_DISPATCHED, params), transaction=False)
 
     # --- dependencies ------------------------------------------------------------------------------------------
