@@ -90,7 +90,21 @@ class _Strategy:
             cancel_unadmitted(self.store, items, exc)
             raise
 
-    def _submit_and_admit(self, request: SubmitRequest) -> SubmitResult:
+    def enqueue(self, request: SubmitRequest) -> SubmitResult:
+        # One shape for every strategy: the checks before any write, then the strategy's ``_one``.
+        check_envelope_fields(request)
+        try:
+            self._precheck()
+        except REFUSALS as exc:
+            return replay_or_raise(self.store, request, exc)
+        return self._one(request)
+
+    def _precheck(self) -> None:
+        """Cheap fail-closed checks before any write (the counted strategy checks its count instead)."""
+        precheck(self.transport, self.settings)
+
+    def _one(self, request: SubmitRequest) -> SubmitResult:
+        """Submit, then admit under the bound (a strategy that admits inside the submit overrides it)."""
         result = self.store.submit(request)
         if not (result.created and admittable(result.item)):
             return result
@@ -125,14 +139,6 @@ class OneTransaction(_Strategy):
     @classmethod
     def fits(cls, store: WorkItemStore, transport: Transport) -> bool:
         return shares_database(store, transport)
-
-    def enqueue(self, request: SubmitRequest) -> SubmitResult:
-        check_envelope_fields(request)
-        try:
-            precheck(self.transport, self.settings)
-        except REFUSALS as exc:
-            return replay_or_raise(self.store, request, exc)
-        return self._one(request)
 
     def _one(self, request: SubmitRequest) -> SubmitResult:
         def admit_in_submit(conn: Any, item: WorkItem) -> None:
@@ -236,14 +242,6 @@ class Counted(_Strategy):
             self.transport.admit(self._turns([result.item]), bounded=False)
         return result
 
-    def enqueue(self, request: SubmitRequest) -> SubmitResult:
-        check_envelope_fields(request)
-        try:
-            self._precheck()
-        except REFUSALS as exc:
-            return replay_or_raise(self.store, request, exc)
-        return self._one(request)
-
     def enqueue_many(self, requests: Sequence[SubmitRequest]) -> Outcomes:
         """The batch in one bounded transaction when it fits whole; else one by one, so as many as
         fit are accepted in order and the rest get ``QueueFull`` (a replay is always answered).
@@ -290,14 +288,6 @@ class Counted(_Strategy):
 
 class AfterSubmit(_Strategy):
     """Submit, then admit under the bound; a refusal cancels what the submit stored."""
-
-    def enqueue(self, request: SubmitRequest) -> SubmitResult:
-        check_envelope_fields(request)
-        try:
-            precheck(self.transport, self.settings)
-        except REFUSALS as exc:
-            return replay_or_raise(self.store, request, exc)
-        return self._submit_and_admit(request)
 
     def enqueue_many(self, requests: Sequence[SubmitRequest]) -> Outcomes:
         """Admission is one batch; when the bound leaves room for only some, as many as fit are
