@@ -85,3 +85,12 @@ def parse_time(value: Any) -> dt.datetime | None:
     except ValueError:
         return None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+def add_namespace_scope(parser: Any, *, each: str, every: str) -> None:
+    """The ``-n/--namespace`` (repeatable) and ``-A/--all-namespaces`` options, mutually exclusive,
+    of every command that watches AgentDispatch objects (the operator, the metrics API): one
+    spelling for both. ``each`` and ``every`` are the two options' help texts."""
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NAMESPACE", help=each)
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help=every)

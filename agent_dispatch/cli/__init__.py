@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from agent_dispatch.cli import _gateway, _jobs, _submit, _up, _worker
+from agent_dispatch.k8s_names import add_namespace_scope
 from agent_dispatch.metrics_api._run import register as register_metrics_api
 from agent_dispatch.runtime import (
     EXIT_FAILURE,
@@ -80,20 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     operator = sub.add_parser(
         "operator", help="run the Kubernetes operator (same as agent-dispatch-operator)"
     )
-    scope = operator.add_mutually_exclusive_group()
-    scope.add_argument(
-        "-n",
-        "--namespace",
-        action="append",
-        default=[],
-        metavar="NAMESPACE",
-        help="watch this namespace (repeatable; glob patterns allowed)",
-    )
-    scope.add_argument(
-        "-A",
-        "--all-namespaces",
-        action="store_true",
-        help="watch every namespace (the default when no --namespace is given)",
+    add_namespace_scope(
+        operator,
+        each="watch this namespace (repeatable; glob patterns allowed)",
+        every="watch every namespace (the default when no --namespace is given)",
     )
     operator.add_argument(
         "--liveness",

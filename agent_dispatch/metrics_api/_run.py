@@ -18,6 +18,7 @@ from aiohttp import web
 
 from agent_dispatch import _logging
 from agent_dispatch.k8s_client import new_api_client
+from agent_dispatch.k8s_names import add_namespace_scope
 from agent_dispatch.metrics_api import _api, _auth
 from agent_dispatch.runtime import EXIT_UNAVAILABLE
 from agent_dispatch.settings import load_or_exit
@@ -32,20 +33,10 @@ def register(sub: Any) -> None:
     parser = sub.add_parser(
         "metrics-api", help="serve the external-metrics API (queue depth per AgentDispatch) for HPAs"
     )
-    scope = parser.add_mutually_exclusive_group()
-    scope.add_argument(
-        "-n",
-        "--namespace",
-        action="append",
-        default=[],
-        metavar="NAMESPACE",
-        help="answer for AgentDispatch objects in this namespace (repeatable)",
-    )
-    scope.add_argument(
-        "-A",
-        "--all-namespaces",
-        action="store_true",
-        help="answer for every namespace (the default when no --namespace is given)",
+    add_namespace_scope(
+        parser,
+        each="answer for AgentDispatch objects in this namespace (repeatable)",
+        every="answer for every namespace (the default when no --namespace is given)",
     )
     parser.add_argument("--port", type=int, default=6443, help="HTTPS port (default 6443)")
     parser.add_argument("--tls-cert-file", default="/var/run/serving-cert/tls.crt")
