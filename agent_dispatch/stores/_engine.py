@@ -120,9 +120,7 @@ class EngineStore(InspectCalls, FencedCalls):
 
     def _list_items(self, page: Listing) -> list[WorkItem]:
         # A listing is a browse with its tenant named: one query for both in every Tx.
-        with self._read() as tx:
-            rows = tx.browse(page)
-        return [make_item(row.record()) for row in rows]
+        return self._browse(page)
 
     def outcomes(self, work_item_id: str) -> list[OutcomeRecord]:
         with self._read() as tx:
