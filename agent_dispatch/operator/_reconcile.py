@@ -91,17 +91,9 @@ def _bootstrap(spec: DispatchSpec, cluster: Cluster, namespace: str) -> str | No
     return cluster.read_secret(namespace, ref.name, ref.key) if ref is not None else None
 
 
-def _kafka_step(
-    spec: DispatchSpec,
-    cluster: Cluster,
-    namespace: str,
-    recorded: int | None,
-    kafka: KafkaOps,
-    *,
-    mutate: bool,
-) -> Transport:
+def _kafka_servers(spec: DispatchSpec, cluster: Cluster, namespace: str) -> str | Transport:
+    """The bootstrap servers, or the failed step that says why there are none."""
     assert spec.kafka is not None
-    result = Transport()
     try:
         servers = _bootstrap(spec, cluster, namespace)
     except ClusterError as exc:
@@ -110,6 +102,14 @@ def _kafka_step(
         ref = spec.kafka.bootstrap_servers_secret
         where = f"Secret {ref.name} key {ref.key}" if ref else "spec.kafka"
         return Transport(ok=False, message=f"no bootstrap servers in {where}")
+    return servers
+
+
+def _kafka_step(
+    spec: DispatchSpec, servers: str, recorded: int | None, kafka: KafkaOps, *, mutate: bool
+) -> Transport:
+    assert spec.kafka is not None
+    result = Transport()
     topic = spec.kafka.topic
     refused = partition_decrease(spec.partitions, recorded)
     try:
@@ -220,7 +220,12 @@ def _transport(
     mutate: bool,
 ) -> Transport:
     if spec.backend == "kafka" and spec.kafka is not None:
-        result = _kafka_step(spec, cluster, namespace, recorded, kafka, mutate=mutate)
+        servers = _kafka_servers(spec, cluster, namespace)
+        result = (
+            servers
+            if isinstance(servers, Transport)
+            else _kafka_step(spec, servers, recorded, kafka, mutate=mutate)
+        )
         # The WorkItem store's schema does not depend on Kafka: it is migrated even when the Kafka
         # step failed (a brand-new topic's first lag probe often does, before its partitions have
         # leaders). Skipped, nothing would migrate it later: the status timer only observes, so the
