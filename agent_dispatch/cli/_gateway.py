@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     # Settings first: a bad value must be the only line printed, before anything else starts.
     settings = load_or_exit("agent-dispatch gateway")
     from agent_dispatch import _logging
-    from agent_dispatch.gateway import GatewayServer, open_components, wait_for_signal
+    from agent_dispatch.gateway import GatewayServer, StopSignals, open_components
     from agent_dispatch.runtime import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, StartupError
 
     if args.port is not None and not 0 <= args.port <= 65535:
@@ -50,9 +50,10 @@ def run(args: argparse.Namespace) -> int:
         components.close()
         print(f"agent-dispatch gateway: cannot listen on port {port}: {exc.strerror}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    print(f"agent-dispatch gateway: serving on {server.url}", flush=True)
     try:
-        received = wait_for_signal()
+        with StopSignals() as signals:
+            print(f"agent-dispatch gateway: serving on {server.url}", flush=True)
+            received = signals.wait()
     finally:
         server.stop()
         components.close()

@@ -60,12 +60,12 @@ def run(args: argparse.Namespace) -> int:
         Components,
         GatewayServer,
         Principal,
+        StopSignals,
         TokenRegistry,
         TokensFileError,
         hash_token,
         load_tokens_file,
         new_token,
-        wait_for_signal,
         write_tokens_file,
     )
     from agent_dispatch.runtime import (
@@ -166,9 +166,10 @@ def run(args: argparse.Namespace) -> int:
         _say(f"  admin:   {admin_token}")
         if not args.no_demo and not _demo(server.url, token):
             code = EXIT_FAILURE
-        _say("Serving. Press Ctrl-C to stop.")
-        if wait_for_signal() == signal.SIGINT:
-            code = EXIT_INTERRUPTED
+        with StopSignals() as signals:
+            _say("Serving. Press Ctrl-C to stop.")
+            if signals.wait() == signal.SIGINT:
+                code = EXIT_INTERRUPTED
     except KeyboardInterrupt:  # Ctrl-C during the demo, before the signal handler is in place
         code = EXIT_INTERRUPTED
     finally:

@@ -17,7 +17,7 @@ from agent_dispatch.gateway._auth import (
     write_tokens_file,
 )
 from agent_dispatch.gateway._models import TurnBody
-from agent_dispatch.gateway._serve import Components, GatewayServer, wait_for_signal
+from agent_dispatch.gateway._serve import Components, GatewayServer, StopSignals
 from agent_dispatch.runtime import EXIT_USAGE, StartupError, open_runtime
 from agent_dispatch.settings import Settings
 
@@ -29,6 +29,7 @@ __all__ = [
     "GatewayServer",
     "GatewayStartupError",
     "Principal",
+    "StopSignals",
     "TokenRegistry",
     "TokensFileError",
     "TurnBody",
@@ -39,7 +40,6 @@ __all__ = [
     "load_tokens_file",
     "new_token",
     "open_components",
-    "wait_for_signal",
     "write_tokens_file",
 ]
 

@@ -124,20 +124,32 @@ class GatewayServer:
         thread.join(timeout=SHUTDOWN_TIMEOUT_S + 5)
 
 
-def wait_for_signal() -> int:
-    """Block until SIGINT or SIGTERM (the main thread only); return which one came first."""
-    stop = threading.Event()
-    received: list[int] = []
+class StopSignals:
+    """SIGINT and SIGTERM caught from entry (the main thread only) until exit.
 
-    def on_signal(signum: int, _frame: object) -> None:
-        received.append(signum)
-        stop.set()
+    Entered before the process says it is serving, so a supervisor that stops it as soon as it
+    reads that line never meets the default handler (which would end it with -15, unclean).
+    """
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stop.wait(0.5):
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._received.append(signum)
+        self._stop.set()
+
+    def __enter__(self) -> StopSignals:
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def wait(self) -> int:
+        """Block until SIGINT or SIGTERM; return which one came first."""
+        while not self._stop.wait(0.5):
             pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return received[0]
+        return self._received[0]
