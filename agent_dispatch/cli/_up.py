@@ -16,6 +16,9 @@ import sys
 import time
 from typing import Any
 
+from agent_dispatch.cli._start import add_serving_command
+from agent_dispatch.settings import Backend, Settings
+
 DEMO_TIMEOUT_S = 60.0
 LOCAL_TENANT = "local"
 #: The web UI administrator `up` makes (a fresh token each run, like the tenant's).
@@ -23,39 +26,30 @@ LOCAL_ADMIN = "admin"
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser(
+    parser = add_serving_command(
+        sub,
         "up",
-        help="run a gateway and workers locally on SQLite (no servers needed)",
+        serve,
+        summary="run a gateway and workers locally on SQLite (no servers needed)",
         description="Run the gateway and workers on SQLite in the data directory "
         "(AGENT_DISPATCH_DATA_DIR, default: the XDG data directory), print the URL, a token "
         "and a sample request, run a demo turn, and serve until Ctrl-C. Exit 130 after Ctrl-C, 0 "
         "after SIGTERM, 1 when the demo turn did not succeed, 2 for bad settings, 3 when the port "
         "is taken.",
-    )
-    parser.add_argument("--host", help="listen address (default: AGENT_DISPATCH_GATEWAY_HOST, 127.0.0.1)")
-    parser.add_argument(
-        "--port", type=int, help="listen port (default: AGENT_DISPATCH_GATEWAY_PORT, 8080; 0: any free port)"
-    )
-    parser.add_argument(
-        "-c",
-        "--concurrency",
-        type=int,
-        metavar="N",
-        help="worker threads (default: AGENT_DISPATCH_CONCURRENCY)",
+        listen=True,
+        concurrency=True,
+        refuse=_not_sqlite,
+        # Quiet by default: this is an interactive command; AGENT_DISPATCH_LOG_LEVEL turns logs up.
+        quiet=True,
     )
     parser.add_argument("--no-demo", action="store_true", help="do not submit the demo turn")
-    parser.set_defaults(handler=run)
 
 
 def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def run(args: argparse.Namespace) -> int:
-    from agent_dispatch.settings import load_or_exit
-
-    settings = load_or_exit("agent-dispatch up")
-    from agent_dispatch import _logging
+def serve(args: argparse.Namespace, settings: Settings) -> int:
     from agent_dispatch.gateway import (
         Components,
         GatewayServer,
@@ -77,25 +71,7 @@ def run(args: argparse.Namespace) -> int:
         StartupError,
         open_runtime,
     )
-    from agent_dispatch.settings import Backend
     from agent_dispatch.worker import build_worker
-
-    if settings.backend is not Backend.SQLITE:
-        _fail(
-            f"runs on SQLite only; unset TASK_QUEUE_BACKEND={settings.backend.value} "
-            "and STATE_DB_URI, or run `agent-dispatch gateway` and `agent-dispatch worker`"
-        )
-        return EXIT_USAGE
-    if args.port is not None and not 0 <= args.port <= 65535:
-        _fail("invalid option --port: allowed: 0 to 65535")
-        return EXIT_USAGE
-    if args.concurrency is not None and not 1 <= args.concurrency <= 256:
-        _fail("invalid option --concurrency: allowed: 1 to 256")
-        return EXIT_USAGE
-    # Quiet by default: this is an interactive command; AGENT_DISPATCH_LOG_LEVEL turns logs up.
-    level = settings.log_level if "log_level" in settings.model_fields_set else "WARNING"
-    fmt = settings.log_format.value if "log_format" in settings.model_fields_set else "text"
-    _logging.configure(level, fmt)
 
     host = args.host or settings.gateway_host
     port = settings.gateway_port if args.port is None else args.port
@@ -179,6 +155,15 @@ def run(args: argparse.Namespace) -> int:
         runtime.close()
         _say("Stopped.")
     return code
+
+
+def _not_sqlite(settings: Settings) -> str | None:
+    if settings.backend is Backend.SQLITE:
+        return None
+    return (
+        f"runs on SQLite only; unset TASK_QUEUE_BACKEND={settings.backend.value} "
+        "and STATE_DB_URI, or run `agent-dispatch gateway` and `agent-dispatch worker`"
+    )
 
 
 def _fail(message: str) -> None:
