@@ -318,7 +318,9 @@ class Inspectable(Protocol):
     def events_after(self, seq: int, *, limit: int = 10000) -> list[SeqEvent]:
         """Outcome records appended after ``seq``, in order; ``seq=-1``: only the newest one."""
 
-    def retry_dead_letter(self, work_item_id: str, *, tenant: str | None, reason: str) -> WorkItem:
+    def retry_dead_letter(
+        self, work_item_id: str, *, tenant: str | None, reason: str, bound: int | None = None
+    ) -> WorkItem:
         """An operator's retry: ``dead_letter`` back to ``ready`` with one more attempt.
 
         Fenced-safe: the item keeps its lease epoch and fencing token, and the next claim issues a
@@ -326,6 +328,11 @@ class Inspectable(Protocol):
         and commit token are cleared; ``max_attempts`` becomes at least ``attempt + 1``. Dependents
         cancelled when it was dead-lettered stay cancelled. ``NotFound`` if absent or (with
         ``tenant``) another tenant's; ``InvalidTransition`` unless it is dead-lettered.
+
+        The retried item is unfinished again, so with ``bound`` (the admission bound,
+        ``AGENT_DISPATCH_MAX_DEPTH``) it is admitted like a submit, in the SAME transaction as the
+        transition: ``QueueFull``, and nothing changed, when the unfinished items already number
+        ``bound`` or more. Without ``bound`` it is never refused for room.
         """
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from agent_dispatch.dispatch import build_turn
-from agent_dispatch.errors import DispatchError, InvalidTransition, NotFound
+from agent_dispatch.errors import DispatchError, InvalidTransition, NotFound, QueueFull
 from agent_dispatch.gateway._sampler import COUNTED, Sampler
 from agent_dispatch.gateway.service import (
     JobService,
@@ -22,6 +22,7 @@ from agent_dispatch.gateway.service import (
     not_found,
     parse_limit,
     parse_states,
+    queue_full,
 )
 from agent_dispatch.jobs import project
 from agent_dispatch.models import OutcomeRecord, WorkItem, WorkState
@@ -226,15 +227,21 @@ class InsightService:
 
         A job whose dependencies have not all succeeded goes back to waiting (``submitted``)
         instead, and is dispatched when its last dependency succeeds, like any waiting job.
-        The delivery is admitted unbounded, like the recovery sweep's re-drive: the job was
-        accepted once already. If admitting fails, the job is still ready and never dispatched, so
-        the sweep re-drives it within the RTO.
+        The job is unfinished again, so the store admits it under ``AGENT_DISPATCH_MAX_DEPTH``
+        in the transition's own transaction: at the bound the retry is refused (``429``, as a
+        submit is) and the job stays dead-lettered. Its delivery is then admitted unbounded, like
+        the recovery sweep's re-drive: the store has counted it already. If admitting fails, the
+        job is still ready and never dispatched, so the sweep re-drives it within the RTO.
         """
         item = self._item(scope, job_id)
         try:
-            retried = self.store.retry_dead_letter(item.id, tenant=item.tenant, reason=RETRY_REASON)
+            retried = self.store.retry_dead_letter(
+                item.id, tenant=item.tenant, reason=RETRY_REASON, bound=self.jobs.settings.max_depth
+            )
         except InvalidTransition as exc:
             raise ServiceError(409, "invalid_transition", str(exc)) from None
+        except QueueFull:
+            raise queue_full() from None
         if retried.state is not WorkState.READY:
             return self.job(scope, job_id)
         try:

@@ -133,11 +133,21 @@ def validation_error(exc: ValidationError, prefix: str = "") -> ServiceError:
     )
 
 
+def queue_full() -> ServiceError:
+    """``QueueFull``'s answer: a submit, and the web UI's retry of a dead letter, at the bound."""
+    return ServiceError(
+        429,
+        "queue_full",
+        "the queue is at its depth bound; retry later",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
 def admission_error(exc: Exception) -> ServiceError | None:
     """The meaning of an error from the enqueue path or a store read; ``None`` for anything else."""
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(exc, QueueFull):
-        return ServiceError(429, "queue_full", "the queue is at its depth bound; retry later", headers=retry)
+        return queue_full()
     if isinstance(exc, DepthUnavailable):
         # Fail closed: an unknown depth is never treated as an empty queue.
         return ServiceError(

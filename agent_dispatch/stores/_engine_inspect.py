@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agent_dispatch.errors import InvalidTransition, NotFound
+from agent_dispatch.errors import InvalidTransition, NotFound, QueueFull
 from agent_dispatch.models import WorkItem, WorkState
 from agent_dispatch.store import SeqEvent, TenantStats, bound_error
 from agent_dispatch.stores._calls import Listing
@@ -46,7 +46,9 @@ class InspectCalls(EngineBase):
         with self._read() as tx:
             return [SeqEvent(n, record) for n, record in tx.events_after(seq, limit)]
 
-    def retry_dead_letter(self, work_item_id: str, *, tenant: str | None, reason: str) -> WorkItem:
+    def retry_dead_letter(
+        self, work_item_id: str, *, tenant: str | None, reason: str, bound: int | None = None
+    ) -> WorkItem:
         with self._write() as tx:
             row = tx.load(work_item_id)
             if row is None or (tenant is not None and row.tenant != tenant):
@@ -64,6 +66,12 @@ class InspectCalls(EngineBase):
                         f"work item {work_item_id} depends on {dep_id}, which {ended}: retry that first"
                     )
                 pending += dep.state is not WorkState.SUCCEEDED
+            # Unfinished again: admitted under the bound as a submit is, in this write transaction
+            # (SQLite's counter; the in-memory store counts its rows), before anything is written.
+            if bound is not None:
+                unfinished = tx.unfinished()
+                if unfinished >= bound:
+                    raise QueueFull(f"{unfinished} unfinished turns + 1 would exceed the bound {bound}")
             # Epoch and token stay: the next claim issues new ones, so an old lease stays fenced.
             row.state = WorkState.SUBMITTED if pending else WorkState.READY
             row.pending_deps = pending

@@ -95,6 +95,9 @@ class Tx(Protocol):
 
     def payload(self, work_item_id: str) -> bytes | None: ...
 
+    def unfinished(self) -> int:
+        """How many rows are ``submitted``, ``ready``, ``leased`` or ``running`` in this transaction."""
+
     # --- reads for the web UI (agent_dispatch.store.Inspectable) ---------------------------------
 
     def browse(self, page: Listing) -> list[Row]:

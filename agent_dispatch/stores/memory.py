@@ -95,6 +95,11 @@ class _MemoryTx:
     def dependents(self, work_item_id: str) -> list[str]:
         return list(self.t.dependents.get(work_item_id, []))
 
+    def unfinished(self) -> int:
+        # The in-memory reference implementation keeps no O(1) count (the database stores' is
+        # kept by triggers): it counts its rows, under the one lock of the write transaction.
+        return sum(not row.state.terminal for row in self.t.items.values())
+
     def _claimable(self, row: Row) -> bool:
         if row.state is WorkState.READY:
             return row.not_before is None or row.not_before <= self.now

@@ -104,6 +104,13 @@ def _row(rec: sqlite3.Row) -> Row:
     return Row(**data)
 
 
+def _unfinished(conn: sqlite3.Connection) -> int:
+    """The counter the v2 triggers keep (they run with each statement, so it is current)."""
+    rec = conn.execute(f"SELECT value FROM {COUNTERS} WHERE name = 'unfinished'").fetchone()
+    assert rec is not None, "the unfinished counter has its row from the v2 migration on"
+    return int(rec[0])
+
+
 class _SqliteTx(SqliteInspectTx):
     def __init__(self, conn: sqlite3.Connection, now: float) -> None:
         self.conn = conn
@@ -111,6 +118,9 @@ class _SqliteTx(SqliteInspectTx):
 
     def _rows(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> list[Row]:
         return [_row(rec) for rec in self.conn.execute(sql, params).fetchall()]
+
+    def unfinished(self) -> int:
+        return _unfinished(self.conn)
 
     def load(self, work_item_id: str) -> Row | None:
         rows = self._rows(f"SELECT {_COLUMNS} FROM {T} WHERE id = ?", (work_item_id,))
@@ -287,20 +297,14 @@ class SqliteStore(EngineStore):
     def unfinished(self) -> int:
         """How many WorkItems are unfinished (the counter the v2 triggers keep)."""
         with self._read() as tx:
-            return self._unfinished(tx.conn)
-
-    @staticmethod
-    def _unfinished(conn: sqlite3.Connection) -> int:
-        rec = conn.execute(f"SELECT value FROM {COUNTERS} WHERE name = 'unfinished'").fetchone()
-        assert rec is not None, "the unfinished counter has its row from the v2 migration on"
-        return int(rec[0])
+            return tx.unfinished()
 
     def admit_unfinished(self, conn: sqlite3.Connection, created: Sequence[WorkItem], bound: int) -> None:
         """Compare-and-admit inside a submit's write transaction (its ``then``): ``QueueFull`` when
         the new unfinished items take the count past ``bound``."""
         # The triggers counted the inserts already; the write lock makes the comparison atomic.
         new = sum(not item.state.terminal for item in created)
-        if new and self._unfinished(conn) > bound:
+        if new and _unfinished(conn) > bound:
             raise QueueFull(f"{new} more unfinished turns would exceed the bound {bound}")
 
     def submit_in_transaction(

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from agent_dispatch.errors import InvalidTransition, LeaseLost, NotFound
+from agent_dispatch.errors import InvalidTransition, LeaseLost, NotFound, QueueFull
 from agent_dispatch.models import Outcome, SubmitRequest, WorkItem, WorkState
-from agent_dispatch.store import Inspectable, WorkItemStore
+from agent_dispatch.store import CountsUnfinished, Inspectable, WorkItemStore
 from tests.contract._store_harness import (  # noqa: F401 (store_postgres_dsn is a fixture)
     BACKENDS,
     Harness,
@@ -130,6 +133,86 @@ def test_retry_dead_letter_refuses_while_a_dependency_can_no_longer_succeed(h: H
     i.retry_dead_letter(other.id, tenant="t1", reason="x")
     assert i.retry_dead_letter(waiting.id, tenant="t1", reason="x").state is WorkState.SUBMITTED
     assert s.get(child.id).state is WorkState.CANCELLED
+
+
+# --- the retry under the admission bound -------------------------------------------------------------------
+
+
+def everything(store: WorkItemStore) -> list[WorkItem]:
+    return [item for t in ("t1", "t2") for item in store.list_items(tenant=t, limit=1000)]
+
+
+def unfinished(store: WorkItemStore) -> int:
+    """The unfinished items, read back one by one; a store's O(1) count must agree."""
+    n = sum(not item.state.terminal for item in everything(store))
+    if isinstance(store, CountsUnfinished):
+        assert store.unfinished() == n
+    return n
+
+
+def test_retry_dead_letter_at_the_bound_is_refused_until_there_is_room(h: Harness) -> None:
+    s, i = h.store, insp(h)
+    item, _ = dead_lettered(h)
+    first = submit(s, "t1")
+    submit(s, "t2")
+    before = everything(s), s.outcomes(item.id)
+    for bound in (1, 2):  # past the bound, and at it: the retried item would take it past
+        with pytest.raises(QueueFull):
+            i.retry_dead_letter(item.id, tenant="t1", reason="x", bound=bound)
+    assert (everything(s), s.outcomes(item.id)) == before  # still dead-lettered, nothing recorded
+    assert unfinished(s) == 2
+    # Room comes back when an item finishes; the unbounded retry (no ``bound``) never asks.
+    lease = s.claim("w", work_item_id=first.id)
+    assert lease is not None
+    s.commit(lease, Outcome.SUCCEEDED)
+    assert i.retry_dead_letter(item.id, tenant="t1", reason="x", bound=2).state is WorkState.READY
+    assert unfinished(s) == 2
+
+
+@st.composite
+def bounded_retries(draw: st.DrawFn) -> tuple[int, int, int, bool]:
+    """(finished items, other unfinished items, the bound, whether the retried item waits on one)."""
+    waits = draw(st.booleans())
+    others = draw(st.integers(1 if waits else 0, 4))
+    return draw(st.integers(0, 2)), others, max(1, others + draw(st.integers(-2, 2))), waits
+
+
+_cases = (f"bound{n}" for n in itertools.count())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=bounded_retries())
+def test_a_bounded_retry_is_refused_exactly_when_the_unfinished_items_are_at_the_bound(
+    backend: str, case: tuple[int, int, int, bool], request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Refused (``QueueFull``, nothing changed) iff the unfinished items number ``bound`` or more;
+    else the item is back (ready, or waiting on its dependency) and counted: one more."""
+    finished, others, bound, waits = case
+    case_dir = tmp_path / next(_cases)
+    case_dir.mkdir()
+    with open_harness(backend, request, case_dir) as h:
+        s, i = h.store, insp(h)
+        for _ in range(finished):  # terminal items take no room
+            lease = s.claim("w", work_item_id=submit(s, "t2").id)
+            assert lease is not None
+            s.commit(lease, Outcome.SUCCEEDED)
+        parent = submit(s, "t1") if waits else None
+        target = submit(s, "t1", depends_on=(parent.id,) if parent else ())
+        s.dead_letter(target.id, reason="poison envelope")
+        for _ in range(others - waits):
+            submit(s, "t2")
+        assert unfinished(s) == others
+        before = everything(s), s.outcomes(target.id)
+        if others >= bound:
+            with pytest.raises(QueueFull):
+                i.retry_dead_letter(target.id, tenant="t1", reason="x", bound=bound)
+            assert (everything(s), s.outcomes(target.id)) == before
+            assert unfinished(s) == others
+        else:
+            back = i.retry_dead_letter(target.id, tenant="t1", reason="x", bound=bound)
+            assert back.state is (WorkState.SUBMITTED if waits else WorkState.READY)
+            assert unfinished(s) == others + 1
 
 
 def test_browse_filters_pages_and_scopes_by_tenant(h: Harness) -> None:

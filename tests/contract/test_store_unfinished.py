@@ -3,7 +3,8 @@
 It must equal the number of items in ``submitted``, ``ready``, ``leased`` or ``running`` after
 every kind of transition (the database keeps it with triggers, whoever writes), and a bounded
 submit compares and admits against it in its own transaction: a refusal keeps nothing, a replay
-is never refused, concurrent submitters never take the same room. SQLite and a real PostgreSQL.
+is never refused, concurrent submitters never take the same room; an operator's bounded retry of a
+dead letter takes its room under the same count. SQLite and a real PostgreSQL.
 """
 
 from __future__ import annotations
@@ -189,6 +190,58 @@ def test_concurrent_bounded_submitters_never_exceed_the_bound(h: Harness) -> Non
     assert not errors, errors
     assert len(accepted) == bound
     assert counted(h.store) == bound
+
+
+def test_concurrent_bounded_retries_and_submits_never_exceed_the_bound(h: Harness) -> None:
+    """Operators' retries of dead letters take room under the same count as submits: racing
+    each other from several connections, they are admitted exactly up to the bound."""
+    bound, dead, submitters, per_submitter = 6, 8, 3, 4
+    s = h.store
+    assert isinstance(s, Inspectable)
+    letters = [submit(s, key=f"dead-{n}") for n in range(dead)]
+    for item in letters:
+        s.dead_letter(item.id, reason="poison")
+    assert counted(s) == 0
+    stores = [h.open() for _ in range(dead + submitters)]
+    admitted: list[str] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def retrier(index: int) -> None:
+        store = stores[index]
+        assert isinstance(store, Inspectable)
+        try:
+            store.retry_dead_letter(letters[index].id, tenant="t1", reason="operator", bound=bound)
+            with lock:
+                admitted.append(letters[index].id)
+        except QueueFull:
+            pass
+        except DispatchError as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def submitter(index: int) -> None:
+        for n in range(per_submitter):
+            try:
+                result = bounded(stores[dead + index], request(f"s{index}-{n}"), bound)
+                with lock:
+                    admitted.append(result.item.id)
+            except QueueFull:
+                pass
+            except DispatchError as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+    workers = [threading.Thread(target=retrier, args=(i,)) for i in range(dead)]
+    workers += [threading.Thread(target=submitter, args=(i,)) for i in range(submitters)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+    assert not errors, errors
+    assert len(admitted) == bound
+    assert counted(h.store) == bound
+    # Every refused retry left its item dead-lettered.
+    refused = [item.id for item in letters if item.id not in admitted]
+    assert all(s.get(x).state is WorkState.DEAD_LETTER for x in refused)
 
 
 @pytest.mark.postgres

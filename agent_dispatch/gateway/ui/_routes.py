@@ -112,9 +112,12 @@ class UI:
             try:
                 await self.gw.blocking(act, session.scope, job_id)
             except ServiceError as exc:
-                return self.html(
+                refused = self.html(
                     _html.error_page(exc.status, exc.detail, who=_who(session), csrf=session.csrf), exc.status
                 )
+                # A retry refused at the queue's bound (429) says when to try again, as the API does.
+                refused.headers.update({k: v for k, v in exc.headers.items() if k.lower() == "retry-after"})
+                return refused
             return see_other(f"/ui/jobs/{job_id}")
 
         return handler

@@ -1,11 +1,13 @@
 """The PostgreSQL store's plumbing: the pool, transactions (with the one retry rule), the schema
-check and migration, reads, and leader election. Transitions live in ``_submit`` and ``store``."""
+check and migration, reads, the unfinished count's compare-and-admit (which a submit and the
+dead-letter retry share), and leader election. Transitions live in ``_submit``, ``_inspect`` and
+``store``."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Final, TypeVar
 
@@ -17,7 +19,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from agent_dispatch.db import sql
 from agent_dispatch.db.migrate import ComponentVersions, Schema, apply, require
 from agent_dispatch.db.postgres import first_line, make_pool, retrying
-from agent_dispatch.errors import BackendUnavailable, DispatchError, Fenced, NotFound
+from agent_dispatch.errors import BackendUnavailable, DispatchError, Fenced, NotFound, QueueFull
 from agent_dispatch.models import Lease, OutcomeRecord, WorkItem
 from agent_dispatch.settings import IO_THREADS, Settings
 from agent_dispatch.settings import load as load_settings
@@ -45,6 +47,8 @@ from agent_dispatch.stores.postgres.statements import (
 
 R = TypeVar("R")
 Conn = Connection[DictRow]
+
+_UNFINISHED: Final = sql.load(__package__ or "agent_dispatch.stores.postgres", "sql/unfinished.sql")
 
 #: The WorkItem schema on PostgreSQL: ``sql/v<N>.sql`` takes version N-1 to N.
 SCHEMA: Final = Schema(
@@ -223,6 +227,29 @@ class PostgresBase(StoreCalls):
         params = self._p(stale=stale_after_s, limit=limit)
         rows = self._run(lambda c: c.execute(RECOVERABLE, params).fetchall(), transaction=False)
         return [make_item(rec) for rec in rows[:limit]]
+
+    # --- the unfinished count (schema v2: kept by triggers) ---------------------------------------------------
+
+    def unfinished(self) -> int:
+        rec = self._run(lambda c: self._one(c, _UNFINISHED["unfinished"], {}), transaction=False)
+        assert rec is not None, "agent_dispatch_unfinished has its one row from the migration on"
+        return int(rec["n"])
+
+    def admit_unfinished(self, conn: Conn, created: Sequence[WorkItem], bound: int) -> None:
+        """Compare-and-admit, as the last step of a transaction that makes items unfinished (a
+        submit's ``then``, the dead-letter retry): the count plus the new unfinished items must
+        stay within ``bound``, else ``QueueFull``.
+
+        The row lock is taken last and held only until the commit, where the deferred triggers
+        add the new items under it (so no other submit or retry can take the same room).
+        """
+        new = sum(not item.state.terminal for item in created)
+        if not new:
+            return
+        rec = self._one(conn, _UNFINISHED["lock_unfinished"], {})
+        assert rec is not None, "agent_dispatch_unfinished has its one row from the migration on"
+        if int(rec["n"]) + new > bound:
+            raise QueueFull(f"{rec['n']} unfinished turns + {new} would exceed the bound {bound}")
 
     @property
     def database_identity(self) -> str:

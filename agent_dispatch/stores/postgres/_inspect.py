@@ -139,7 +139,9 @@ class Inspecting(PostgresBase):
             rows = self._run(lambda c: c.execute(EVENTS_AFTER, params).fetchall(), transaction=False)
         return [_event(rec) for rec in rows]
 
-    def retry_dead_letter(self, work_item_id: str, *, tenant: str | None, reason: str) -> WorkItem:
+    def retry_dead_letter(
+        self, work_item_id: str, *, tenant: str | None, reason: str, bound: int | None = None
+    ) -> WorkItem:
         params = self._p(id=work_item_id, tenant=tenant, reason=bound_error(reason))
 
         def refuse(conn: Conn) -> DispatchError:
@@ -169,6 +171,11 @@ class Inspecting(PostgresBase):
             rec = self._one(conn, RETRY_DEAD_LETTER, {**params, "pending": pending})
             if rec is None:
                 raise refuse(conn)
-            return make_item(rec)
+            item = make_item(rec)
+            if bound is not None:
+                # Admitted as a submit is, last, under the count row's lock: ``QueueFull`` rolls
+                # the update back; a commit adds the item to the count under the same lock.
+                self.admit_unfinished(conn, [item], bound)
+            return item
 
         return self._run(run)

@@ -9,8 +9,7 @@ from typing import Any
 from psycopg import errors
 from psycopg.rows import DictRow, dict_row
 
-from agent_dispatch.db import sql
-from agent_dispatch.errors import DispatchError, NotFound, QueueFull
+from agent_dispatch.errors import DispatchError, NotFound
 from agent_dispatch.models import Outcome, SubmitRequest, SubmitResult, WorkItem, WorkState
 from agent_dispatch.stores._common import (
     DEPENDENCY_FAILED,
@@ -31,33 +30,9 @@ from agent_dispatch.stores.postgres.statements import (
     SELECT_BY_KEY,
 )
 
-_UNFINISHED = sql.load(__package__ or "agent_dispatch.stores.postgres", "sql/unfinished.sql")
-
 
 class Submitting(PostgresBase):
     """The submit half of the store."""
-
-    # --- the unfinished count (schema v2: kept by triggers) ---------------------------------------------------
-
-    def unfinished(self) -> int:
-        rec = self._run(lambda c: self._one(c, _UNFINISHED["unfinished"], {}), transaction=False)
-        assert rec is not None, "agent_dispatch_unfinished has its one row from the migration on"
-        return int(rec["n"])
-
-    def admit_unfinished(self, conn: Conn, created: Sequence[WorkItem], bound: int) -> None:
-        """Compare-and-admit, as the last step of a submit's transaction (its ``then``): the count
-        plus the new unfinished items must stay within ``bound``, else ``QueueFull``.
-
-        The row lock is taken last and held only until the commit, where the deferred triggers
-        add the new items under it (so no other submit can take the same room).
-        """
-        new = sum(not item.state.terminal for item in created)
-        if not new:
-            return
-        rec = self._one(conn, _UNFINISHED["lock_unfinished"], {})
-        assert rec is not None, "agent_dispatch_unfinished has its one row from the migration on"
-        if int(rec["n"]) + new > bound:
-            raise QueueFull(f"{rec['n']} unfinished turns + {new} would exceed the bound {bound}")
 
     # --- submit ----------------------------------------------------------------------------------------------
 
