@@ -11,15 +11,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Final, ParamSpec, TypeVar
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from agent_dispatch._request_metrics import observe_requests, route_of
 from agent_dispatch.gateway import _metrics as m
 from agent_dispatch.gateway import ui
 from agent_dispatch.gateway._auth import TokenRegistry
@@ -219,43 +220,35 @@ class Gateway:
 GATEWAY: Final = web.AppKey("gateway", Gateway)
 
 
-def _route_of(request: web.Request) -> str:
-    info = request.match_info
-    if info.http_exception is not None or info.route.resource is None:
-        return "unmatched"
-    return info.route.resource.canonical
-
-
 @web.middleware
-async def _errors_and_metrics(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    started = time.perf_counter()
-    route = _route_of(request)
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure as a JSON answer (inside the request metrics, so they count what is sent)."""
     try:
-        response = await handler(request)
+        return await handler(request)
     except ServiceError as exc:
-        response = error_response(exc)
+        return error_response(exc)
     except web.HTTPException as exc:
         # aiohttp's own answers (unknown route, wrong method, body over client_max_size) as JSON.
         code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
             exc.status, "http_error"
         )
         headers = {k: v for k, v in exc.headers.items() if k.lower() in {"allow", "retry-after"}}
-        response = error_response(ServiceError(exc.status, code, exc.reason, headers=headers))
+        return error_response(ServiceError(exc.status, code, exc.reason, headers=headers))
     except Exception:
-        log.exception("unexpected gateway error", extra={"route": route, "method": request.method})
-        response = error_response(ServiceError(500, "internal", "unexpected error; see the gateway log"))
-    m.REQUESTS.labels(route, str(response.status)).inc()
-    m.REQUEST_SECONDS.labels(route).observe(time.perf_counter() - started)
-    return response
+        log.exception(
+            "unexpected gateway error", extra={"route": route_of(request), "method": request.method}
+        )
+        return error_response(ServiceError(500, "internal", "unexpected error; see the gateway log"))
 
 
 def create_app(runtime: Runtime, tokens: TokenRegistry) -> web.Application:
     gateway = Gateway(runtime, tokens)
     # aiohttp refuses bodies past client_max_size itself; ours is a byte above the limit we check,
     # so a body exactly at the limit is read and anything larger is refused without buffering it.
-    app = web.Application(middlewares=[_errors_and_metrics], client_max_size=gateway.service.body_limit + 1)
+    app = web.Application(
+        middlewares=[observe_requests(m.REQUESTS, m.REQUEST_SECONDS), _errors],
+        client_max_size=gateway.service.body_limit + 1,
+    )
     app[GATEWAY] = gateway
     app.router.add_post("/api/turns", gateway.submit)
     app.router.add_post("/api/turns:batch", gateway.submit_batch)

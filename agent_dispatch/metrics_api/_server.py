@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -20,6 +19,7 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge, Histogram
 
 from agent_dispatch import k8s_names
+from agent_dispatch._request_metrics import observe_requests
 from agent_dispatch.metrics_api import _api, _auth
 
 log = logging.getLogger("agent_dispatch.metrics_api")
@@ -67,28 +67,6 @@ def _json(body: Mapping[str, Any], status: int = 200) -> web.Response:
 
 def _error(code: int, reason: str, message: str) -> web.Response:
     return _json(_api.status(code, reason, message), code)
-
-
-def _route_of(request: web.Request) -> str:
-    resource = request.match_info.route.resource
-    return resource.canonical if resource is not None else "unmatched"
-
-
-@web.middleware
-async def _observe(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    started = time.monotonic()
-    route = _route_of(request)
-    try:
-        response = await handler(request)
-    except web.HTTPException as exc:
-        REQUESTS.labels(route, str(exc.status)).inc()
-        raise
-    finally:
-        REQUEST_SECONDS.labels(route).observe(time.monotonic() - started)
-    REQUESTS.labels(route, str(response.status)).inc()
-    return response
 
 
 async def _authenticate(request: web.Request, backend: Backend) -> _auth.User:
@@ -176,7 +154,7 @@ def build_app(backend: Backend) -> web.Application:
             return web.Response(text="ok")
         return web.Response(status=503, text="AgentDispatch objects not listed yet")
 
-    app = web.Application(middlewares=[_observe])
+    app = web.Application(middlewares=[observe_requests(REQUESTS, REQUEST_SECONDS)])
     app.router.add_get("/apis", static(_api.api_group_list()))
     app.router.add_get(f"/apis/{_api.GROUP}", static(_api.api_group()))
     app.router.add_get(f"/apis/{_api.GROUP_VERSION}", static(_api.api_resource_list()))
