@@ -33,9 +33,10 @@ REQUEST_SECONDS: Final = Histogram(
     "agent_dispatch_metrics_api_request_seconds", "External-metrics API request duration", ["route"]
 )
 #: One series per AgentDispatch (never per pod), labelled with its namespace and the instance label
-#: the worker ServiceMonitor also produces, so a Prometheus-based adapter selects it directly.
+#: the worker ServiceMonitor also produces, so a Prometheus-based adapter selects it directly: named
+#: as the external metric the HPA asks for, so the two names are one.
 QUEUE_DEPTH: Final = Gauge(
-    "agent_dispatch_queue_depth",
+    _api.METRIC,
     "Accepted, not yet acknowledged turns of one AgentDispatch (from its .status)",
     ["namespace", "agent_dispatch_io_instance"],
 )
