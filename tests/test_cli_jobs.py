@@ -121,6 +121,28 @@ def test_submit_directly_into_the_store_and_watch_it_finish(tmp_path: Path) -> N
     assert watch.stdout.strip().splitlines()[-1] == "3 succeeded"
 
 
+def test_submit_wait_prints_one_json_document(tmp_path: Path) -> None:
+    """Scripts parse ``submit --wait``'s stdout: one document (the final status with the handle's
+    fields), the wait itself reported on stderr."""
+    from agent_dispatch.worker import build_worker
+
+    data_dir = tmp_path / "direct"
+    env = {"AGENT_DISPATCH_DATA_DIR": str(data_dir), "AGENT_DISPATCH_SIGNING_KEY": SIGNING_KEY}
+    assert cli("migrate", env=env).returncode == 0
+    worker = build_worker(gateway_settings("sqlite", data_dir, None))
+    worker.start()
+    try:
+        proc = cli("submit", "--payload", '{"n": 1}', "--wait", "--timeout", "60", env=env)
+    finally:
+        worker.stop(grace_s=2)
+        worker.transport.close()
+        worker.store.close()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    final = json.loads(proc.stdout)  # raises on a second document
+    assert final["state"] == "succeeded" and final["created"] is True
+    assert f"accepted job {final['job_id']}; waiting" in proc.stderr
+
+
 def test_jobs_status_of_a_missing_job_is_1(tmp_path: Path) -> None:
     env = {"AGENT_DISPATCH_DATA_DIR": str(tmp_path), "AGENT_DISPATCH_SIGNING_KEY": SIGNING_KEY}
     assert cli("migrate", env=env).returncode == 0

@@ -44,7 +44,9 @@ def register(sub: Any) -> None:
         "--idempotency-key", metavar="KEY", help="resubmitting with the same key returns the same job"
     )
     parser.add_argument(
-        "--wait", action="store_true", help="wait until the job finishes and print its status"
+        "--wait",
+        action="store_true",
+        help="wait until the job finishes; print its final status (one JSON document) instead of the handle",
     )
     parser.add_argument(
         "--timeout", type=float, default=300.0, metavar="S", help="--wait gives up after S seconds"
@@ -94,11 +96,18 @@ def run(args: argparse.Namespace) -> int:
 
     def act(client: JobsClient) -> int:
         handle = client.submit(turn, idempotency_key=args.idempotency_key)
-        print(json.dumps(handle, indent=2), flush=True)
         if not args.wait:
+            print(json.dumps(handle, indent=2), flush=True)
             return EXIT_OK
+        # stdout stays one JSON document (scripts parse it); the wait is progress, on stderr.
+        verb = "accepted" if handle.get("created", True) else "already had"
+        print(
+            f"agent-dispatch submit: {verb} job {handle['job_id']}; waiting up to {args.timeout:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
         final = wait_terminal(client, handle["job_id"], timeout_s=args.timeout)
-        print(json.dumps(final, indent=2), flush=True)
+        print(json.dumps({**handle, **final}, indent=2), flush=True)
         return EXIT_OK if final.get("state") == "succeeded" else EXIT_FAILURE
 
     return run_with_client(settings, args, "submit", act)

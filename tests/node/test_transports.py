@@ -20,17 +20,6 @@ from tests.node.conftest import SlowSink
 pytestmark = pytest.mark.node
 
 
-def _last_json(text: str) -> dict[str, object]:
-    decoder, index, last = json.JSONDecoder(), 0, None
-    while index < len(text.rstrip()):
-        last, end = decoder.raw_decode(text, index)
-        index = end
-        while index < len(text) and text[index].isspace():
-            index += 1
-    assert isinstance(last, dict), text
-    return last
-
-
 @pytest.mark.parametrize("backend", ["postgres", "kafka"])
 def test_worker_pods_run_gateway_turns_exactly_once(
     backend: str,
@@ -140,7 +129,7 @@ def test_sqlite_worker_pod_runs_turns_submitted_inside_it(node: NodeCluster, nod
                 timeout=120,
             )
             assert out.returncode == 0, f"{out.stdout}{out.stderr}\n{describe(node, node_release)}"
-            handles.append(_last_json(out.stdout))  # --wait prints the handle, then the final status
+            handles.append(json.loads(out.stdout))  # --wait prints one document: the final status
         assert [h["state"] for h in handles] == ["succeeded"] * 5, handles
         # Read-only root filesystem, non-root: the database is in the pod's emptyDir.
         assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
