@@ -40,7 +40,7 @@ from tests.chaos.parts import (
     _retry,
     scrape,
 )
-from tests.e2e.harness import BASE_ENV, ROOT, Backend, start_worker
+from tests.e2e.harness import BASE_ENV, ROOT, Backend, post_turn, start_worker
 
 TENANT = "chaos"
 TOKEN = "chaos-token-0123456789abcdef"
@@ -203,32 +203,10 @@ class ChaosRun:
     # --- load ----------------------------------------------------------------------------------
 
     def _post(self, body: dict[str, Any], key: str) -> tuple[int | None, dict[str, Any]]:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.gateway_port}/api/turns",
-            data=json.dumps(body).encode(),
-            method="POST",
-            headers={
-                "Authorization": f"Bearer {TOKEN}",
-                "Content-Type": "application/json",
-                "Idempotency-Key": key,
-            },
-        )
-        try:
-            # Longer than the gateway's wait for a Kafka delivery (30 s, then 503), so that
-            # refusal is seen rather than a client timeout.
-            with urllib.request.urlopen(request, timeout=45) as response:
-                answer = response.read()
-                status = int(response.status)
-        except urllib.error.HTTPError as exc:
-            exc.read()
-            return int(exc.code), {}
-        except (OSError, urllib.error.URLError):
-            return None, {}  # refused, reset or timed out: the outcome is unknown, retry the same key
-        try:
-            handle = json.loads(answer)
-        except ValueError:
-            handle = {}
-        return status, handle if isinstance(handle, dict) else {}
+        # Longer than the gateway's wait for a Kafka delivery (30 s, then 503), so that refusal is
+        # seen rather than a client timeout.
+        answer = post_turn(self.gateway_port, TOKEN, body, key, timeout_s=45)
+        return answer.status, answer.handle
 
     def _client(self, index: int) -> None:
         rng = random.Random(f"{self.seed}/{self.name}/client{index}")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -179,3 +182,41 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The gateway's answer to one ``POST /api/turns``."""
+
+    #: HTTP status; ``None``: refused, reset or timed out, so the outcome is unknown (retry the key).
+    status: int | None
+    #: The job handle of a 2xx answer (``{}`` otherwise).
+    handle: dict[str, Any]
+    #: What a refusal said (status and the start of its body, or why it was unreachable).
+    refusal: str | None = None
+
+
+def post_turn(port: int, token: str, body: dict[str, Any], key: str, *, timeout_s: float) -> Answer:
+    """``POST /api/turns`` on the loopback gateway with a bearer token and an Idempotency-Key."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/turns",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={
+            "Authorization": f"Bearer {token}",
+            "Content-Type": "application/json",
+            "Idempotency-Key": key,
+        },
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, answer = int(response.status), response.read()
+    except urllib.error.HTTPError as exc:
+        return Answer(int(exc.code), {}, f"{exc.code} {exc.read()[:300]!r}")
+    except OSError as exc:  # URLError is an OSError
+        return Answer(None, {}, f"unreachable {exc}")
+    try:
+        handle = json.loads(answer)
+    except ValueError:
+        handle = {}
+    return Answer(status, handle if isinstance(handle, dict) else {})

@@ -9,8 +9,6 @@ import json
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +18,7 @@ from agent_dispatch.gateway import hash_token, write_tokens_file
 from agent_dispatch.models import WorkItem, WorkState
 from testenv._common import free_port, port_open
 from testenv.node import NodeCluster
-from tests.e2e.harness import BASE_ENV, KEY, ROOT, Backend
+from tests.e2e.harness import BASE_ENV, KEY, ROOT, Backend, post_turn
 from tests.e2e.sink import FencingSink
 from tests.node._support import describe, pods, ready
 
@@ -237,26 +235,12 @@ class PodDispatch:
         return ids
 
     def _post(self, body: dict[str, Any], key: str) -> tuple[int | None, dict[str, Any]]:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.gateway_port}/api/turns",
-            data=json.dumps(body).encode(),
-            method="POST",
-            headers={
-                "Authorization": f"Bearer {TOKEN}",
-                "Content-Type": "application/json",
-                "Idempotency-Key": key,
-            },
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=15) as response:
-                return int(response.status), json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            self.last_refusal = f"{exc.code} {exc.read()[:300]!r}"
-            self.refusals.append((time.monotonic(), self.last_refusal))
-            return int(exc.code), {}
-        except OSError as exc:
-            self.refusals.append((time.monotonic(), f"unreachable {exc}"))
-            return None, {}
+        answer = post_turn(self.gateway_port, TOKEN, body, key, timeout_s=15)
+        if answer.refusal is not None:
+            self.refusals.append((time.monotonic(), answer.refusal))
+            if answer.status is not None:
+                self.last_refusal = answer.refusal
+        return answer.status, answer.handle
 
     # -- outcomes ------------------------------------------------------------------------------------
 
