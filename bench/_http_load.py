@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -93,7 +94,8 @@ async def _run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
-    spec = json.loads(sys.argv[1])
+    arg = sys.argv[1]
+    spec = json.loads(Path(arg[1:]).read_text() if arg.startswith("@") else arg)
     print(json.dumps(asyncio.run(_run(spec))), flush=True)
     return 0
 
