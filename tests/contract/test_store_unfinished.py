@@ -9,8 +9,9 @@ dead letter takes its room under the same count. SQLite and a real PostgreSQL.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -164,30 +165,41 @@ def test_a_bounded_batch_is_all_or_nothing(h: Harness) -> None:
     assert counted(s) == 3
 
 
-def test_concurrent_bounded_submitters_never_exceed_the_bound(h: Harness) -> None:
-    bound, per_thread, threads = 7, 12, 6
-    stores = [h.open() for _ in range(threads)]
-    accepted: list[str] = []
+def race(lanes: list[list[Callable[[], str]]]) -> list[str]:
+    """Each lane in its own thread, its attempts in order, all lanes at once; returns the ids the
+    attempts admitted (a ``QueueFull`` refusal admits nothing; any other error fails the test)."""
+    admitted: list[str] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
 
-    def submitter(index: int) -> None:
-        for n in range(per_thread):
+    def run(lane: list[Callable[[], str]]) -> None:
+        for attempt in lane:
             try:
-                result = bounded(stores[index], request(f"s{index}-{n}"), bound)
-                with lock:
-                    accepted.append(result.item.id)
+                admitted_id = attempt()
             except QueueFull:
-                pass
+                continue
             except DispatchError as exc:  # pragma: no cover - reported below
                 errors.append(exc)
+                continue
+            with lock:
+                admitted.append(admitted_id)
 
-    workers = [threading.Thread(target=submitter, args=(i,)) for i in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=120)
+    threads = [threading.Thread(target=run, args=(lane,)) for lane in lanes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
     assert not errors, errors
+    return admitted
+
+
+def submit_attempts(store: Any, prefix: str, count: int, bound: int) -> list[Callable[[], str]]:
+    return [lambda n=n: bounded(store, request(f"{prefix}-{n}"), bound).item.id for n in range(count)]
+
+
+def test_concurrent_bounded_submitters_never_exceed_the_bound(h: Harness) -> None:
+    bound, per_thread, threads = 7, 12, 6
+    accepted = race([submit_attempts(h.open(), f"s{i}", per_thread, bound) for i in range(threads)])
     assert len(accepted) == bound
     assert counted(h.store) == bound
 
@@ -202,41 +214,15 @@ def test_concurrent_bounded_retries_and_submits_never_exceed_the_bound(h: Harnes
     for item in letters:
         s.dead_letter(item.id, reason="poison")
     assert counted(s) == 0
-    stores = [h.open() for _ in range(dead + submitters)]
-    admitted: list[str] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
 
-    def retrier(index: int) -> None:
-        store = stores[index]
+    def retry(store: Any, item_id: str) -> str:
         assert isinstance(store, Inspectable)
-        try:
-            store.retry_dead_letter(letters[index].id, tenant="t1", reason="operator", bound=bound)
-            with lock:
-                admitted.append(letters[index].id)
-        except QueueFull:
-            pass
-        except DispatchError as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        store.retry_dead_letter(item_id, tenant="t1", reason="operator", bound=bound)
+        return item_id
 
-    def submitter(index: int) -> None:
-        for n in range(per_submitter):
-            try:
-                result = bounded(stores[dead + index], request(f"s{index}-{n}"), bound)
-                with lock:
-                    admitted.append(result.item.id)
-            except QueueFull:
-                pass
-            except DispatchError as exc:  # pragma: no cover - reported below
-                errors.append(exc)
-
-    workers = [threading.Thread(target=retrier, args=(i,)) for i in range(dead)]
-    workers += [threading.Thread(target=submitter, args=(i,)) for i in range(submitters)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=120)
-    assert not errors, errors
+    lanes = [[functools.partial(retry, h.open(), item.id)] for item in letters]
+    lanes += [submit_attempts(h.open(), f"s{i}", per_submitter, bound) for i in range(submitters)]
+    admitted = race(lanes)
     assert len(admitted) == bound
     assert counted(h.store) == bound
     # Every refused retry left its item dead-lettered.
