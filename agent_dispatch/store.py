@@ -62,6 +62,11 @@ class WorkItemStore(Protocol):
     def get(self, work_item_id: str, *, tenant: str | None = None) -> WorkItem:
         """The item; NotFound if absent or (with ``tenant``) owned by another tenant."""
 
+    def get_many(self, work_item_ids: Sequence[str], *, tenant: str | None = None) -> dict[str, WorkItem]:
+        """The items of ``work_item_ids`` that :meth:`get` would return, by id, in one read; the
+        others (absent, or another tenant's) are left out. For callers that read many at once,
+        such as the gateway's coalesced status reads."""
+
     def get_payload(self, work_item_id: str, *, tenant: str) -> bytes: ...
 
     def list_items(

@@ -24,8 +24,8 @@ from agent_dispatch._request_metrics import observe_requests, route_of
 from agent_dispatch.gateway import _metrics as m
 from agent_dispatch.gateway import ui
 from agent_dispatch.gateway._auth import TokenRegistry
-from agent_dispatch.gateway._coalesce import SubmitCoalescer
-from agent_dispatch.gateway._models import JobHandle
+from agent_dispatch.gateway._coalesce import Coalescer, SubmitCoalescer
+from agent_dispatch.gateway._models import JobHandle, JobView
 from agent_dispatch.gateway._openapi import openapi_document
 from agent_dispatch.gateway.service import JobService, ServiceError, admission_result
 from agent_dispatch.models import WorkItem
@@ -68,12 +68,17 @@ class Gateway:
     )
     service: JobService = field(init=False)
     coalescer: SubmitCoalescer = field(init=False)
+    reads: Coalescer[tuple[str, str], JobView | ServiceError] = field(init=False)
 
     def __post_init__(self) -> None:
         self.service = JobService(self.settings, self.store, lambda: self.runtime.admission)
         self.coalescer = SubmitCoalescer(
             lambda requests: self.blocking(self.service.admit_many, requests),
             observe_size=m.SUBMIT_BATCH_SIZE.observe,
+        )
+        self.reads = Coalescer(
+            lambda asks: self.blocking(self.service.status_many, asks),
+            observe_size=m.STATUS_READ_BATCH_SIZE.observe,
         )
 
     @property
@@ -141,7 +146,7 @@ class Gateway:
                 turn = self.service.prepare(tenant, body, idempotency_key=key)
             else:  # a large body would hold the event loop while it is parsed
                 turn = await self.blocking(self.service.prepare, tenant, body, idempotency_key=key)
-            handle = self.service.answer(await self.coalescer.submit(turn))
+            handle = self.service.answer(await self.coalescer.run(turn))
         except ServiceError as exc:
             m.ADMISSIONS.labels(admission_result(exc)).inc()
             raise
@@ -165,7 +170,9 @@ class Gateway:
 
     async def job_status(self, request: web.Request) -> web.Response:
         tenant = self.tenant_of(request)
-        view = await self.blocking(self.service.status, tenant, request.match_info["job_id"])
+        view = await self.reads.run((tenant, request.match_info["job_id"]))
+        if isinstance(view, ServiceError):
+            raise view
         return web.json_response(view.body())
 
     async def job_cancel(self, request: web.Request) -> web.Response:

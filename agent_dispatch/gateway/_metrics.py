@@ -38,6 +38,11 @@ SUBMIT_BATCH_SIZE = Histogram(
     "Single-turn submissions admitted together in one transaction (the gateway's group commit)",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 200),
 )
+STATUS_READ_BATCH_SIZE = Histogram(
+    "agent_dispatch_gateway_status_read_batch_size",
+    "Job status reads served together by one store read (the gateway's coalesced reads)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 200),
+)
 
 for _result in ADMISSION_RESULTS:
     ADMISSIONS.labels(_result)

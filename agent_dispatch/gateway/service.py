@@ -334,7 +334,25 @@ class JobService:
     # --- jobs --------------------------------------------------------------------------------
 
     def status(self, tenant: str, job_id: str) -> JobView:
-        return self._job(tenant, job_id, "status")
+        view = self.status_many([(tenant, job_id)])[0]
+        if isinstance(view, ServiceError):
+            raise view
+        return view
+
+    def status_many(self, asks: Sequence[tuple[str, str]]) -> list[JobView | ServiceError]:
+        """The view of each ``(tenant, job id)`` asked for, from one read (the gateway's coalesced
+        status reads). A job that is not the asking tenant's is that ask's 404, as if absent; an
+        error of the read itself (the store unavailable) is raised, every ask's answer alike."""
+        wanted = [job_id for _, job_id in asks if _REF.match(job_id)]
+        items = self.call(lambda: self.store.get_many(wanted)) if wanted else {}
+        views: list[JobView | ServiceError] = []
+        for tenant, job_id in asks:
+            item = items.get(job_id)
+            if item is None or item.tenant != tenant:
+                views.append(not_found())
+            else:
+                views.append(JobView.model_validate(jobs.project(item)))
+        return views
 
     def cancel(self, tenant: str, job_id: str) -> JobView:
         """Cancelling a finished job is not an error: the view says changed: false and how it ended."""

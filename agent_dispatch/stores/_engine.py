@@ -12,6 +12,8 @@ holds all of them to one behaviour.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from agent_dispatch.errors import InvalidTransition, NotFound
 from agent_dispatch.models import (
     OutcomeRecord,
@@ -109,6 +111,15 @@ class EngineStore(InspectCalls, FencedCalls):
         if row is None or (tenant is not None and row.tenant != tenant):
             raise NotFound(f"work item {work_item_id} not found")
         return make_item(row.record())
+
+    def get_many(self, work_item_ids: Sequence[str], *, tenant: str | None = None) -> dict[str, WorkItem]:
+        with self._read() as tx:
+            rows = [tx.load(work_item_id) for work_item_id in dict.fromkeys(work_item_ids)]
+        return {
+            row.id: make_item(row.record())
+            for row in rows
+            if row is not None and (tenant is None or row.tenant == tenant)
+        }
 
     def get_payload(self, work_item_id: str, *, tenant: str) -> bytes:
         with self._read() as tx:

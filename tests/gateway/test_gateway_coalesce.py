@@ -73,7 +73,7 @@ def test_each_request_gets_its_own_outcome_within_the_batching_bounds(
 
     async def scenario() -> None:
         coalescer = SubmitCoalescer(admit_many)
-        first = await coalescer.submit(_request(10_000))  # idle: sent at once, alone
+        first = await coalescer.run(_request(10_000))  # idle: sent at once, alone
         assert batches == [[10_000]]
         assert first == replace(_request(10_000), kind="done-10000")
         offset = 0
@@ -81,7 +81,7 @@ def test_each_request_gets_its_own_outcome_within_the_batching_bounds(
             numbers = list(range(offset, offset + size))
             offset += size
             answers = await asyncio.gather(
-                *(coalescer.submit(_request(n)) for n in numbers), return_exceptions=True
+                *(coalescer.run(_request(n)) for n in numbers), return_exceptions=True
             )
             for n, answer in zip(numbers, answers, strict=True):
                 batch_no = next(i for i, b in enumerate(batches) if n in b)
@@ -108,8 +108,8 @@ def test_a_client_that_goes_away_does_not_cancel_the_others_batch() -> None:
             return list(requests)  # type: ignore[arg-type]
 
         coalescer = SubmitCoalescer(admit_many)
-        leaving = asyncio.ensure_future(coalescer.submit(_request(1)))
-        staying = asyncio.ensure_future(coalescer.submit(_request(2)))
+        leaving = asyncio.ensure_future(coalescer.run(_request(1)))
+        staying = asyncio.ensure_future(coalescer.run(_request(2)))
         await asyncio.sleep(0.01)
         leaving.cancel()
         gate.set()
@@ -228,3 +228,53 @@ def test_a_failure_of_the_whole_batch_is_each_requests_own_answer(size: int, tmp
         with pytest.raises(ServiceError) as refused:
             service.answer(outcome)
         assert refused.value.status == 503 and refused.value.code == "unavailable"
+
+
+def _reads_observed() -> tuple[float, float]:
+    sample = {s.name: s.value for metric in m.STATUS_READ_BATCH_SIZE.collect() for s in metric.samples}
+    return sample["agent_dispatch_gateway_status_read_batch_size_count"], sample[
+        "agent_dispatch_gateway_status_read_batch_size_sum"
+    ]
+
+
+def test_concurrent_status_reads_each_see_only_their_own_tenants_jobs(crowded_gateway: Running) -> None:
+    """Status reads share store reads: 16 clients of two tenants read at once their own jobs,
+    each other's and ids that name nothing. Each answer is the job as the store has it, or the 404
+    an absent job gets (another tenant's job is absent to them), whoever shared the read."""
+    gw = crowded_gateway
+    jobs = {
+        tenant: [gw.submit({"kind": "t", "payload": {"n": n}}, tenant=tenant).json()["job_id"] for n in range(6)]
+        for tenant in ("tenant-a", "tenant-b")
+    }
+    unknown = ["0" * 32, "not-a-job", "x" * 300]
+    count_before, sum_before = _reads_observed()
+    answers: list[tuple[str, str, int, dict[str, Any]]] = []
+    lock = threading.Lock()
+    start = threading.Barrier(16)
+
+    def client(c: int) -> None:
+        tenant = ("tenant-a", "tenant-b")[c % 2]
+        asks = [*jobs["tenant-a"], *jobs["tenant-b"], *unknown]
+        start.wait()
+        for job_id in asks[c % 5 :] + asks[: c % 5]:
+            reply = gw.call("GET", f"/api/graph/jobs/{job_id}", tenant=tenant)
+            with lock:
+                answers.append((tenant, job_id, reply.status, reply.json()))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(answers) == 16 * (12 + len(unknown))
+    for tenant, job_id, status, answer in answers:
+        if job_id in jobs[tenant]:
+            assert status == 200, answer
+            item = gw.store.get(job_id)
+            assert (answer["job_id"], answer["tenant"], answer["state"]) == (job_id, tenant, item.state.value)
+        else:
+            assert status == 404 and answer["error"] == "not_found", (tenant, job_id, answer)
+    count_after, sum_after = _reads_observed()
+    # Every read went through the batcher.
+    assert sum_after - sum_before == len(answers)
+    assert 1 <= count_after - count_before <= sum_after - sum_before

@@ -38,6 +38,7 @@ from agent_dispatch.stores._common import (
 from agent_dispatch.stores.postgres.statements import (
     RECOVERABLE,
     SELECT_ITEM,
+    SELECT_ITEMS,
     SELECT_NOW,
     SELECT_OUTCOMES,
     SELECT_PAYLOAD,
@@ -197,6 +198,14 @@ class PostgresBase(StoreCalls):
         if rec is None or (tenant is not None and rec["tenant"] != tenant):
             raise NotFound(f"work item {work_item_id} not found")
         return make_item(rec)
+
+    def get_many(self, work_item_ids: Sequence[str], *, tenant: str | None = None) -> dict[str, WorkItem]:
+        if not work_item_ids:
+            return {}
+        rows = self._run(
+            lambda c: c.execute(SELECT_ITEMS, {"ids": list(work_item_ids)}).fetchall(), transaction=False
+        )
+        return {rec["id"]: make_item(rec) for rec in rows if tenant is None or rec["tenant"] == tenant}
 
     def get_payload(self, work_item_id: str, *, tenant: str) -> bytes:
         rec = self._run(

@@ -106,6 +106,7 @@ def retry_sql(extra: str = "") -> str:
 FENCE: Final = fence_sql()
 SELECT_VIEW: Final = render("select_view")
 SELECT_ITEM: Final = render("select_item")
+SELECT_ITEMS: Final = render("select_items")
 SELECT_BY_KEY: Final = render("select_by_key")
 SELECT_BY_ID_FOR_SUBMIT: Final = render("select_by_id_for_submit")
 LOCK_DEPENDENCIES: Final = render("lock_dependencies")

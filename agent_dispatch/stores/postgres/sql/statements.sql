@@ -43,6 +43,9 @@ SELECT {item}, commit_token, lease_expires_at > {now} AS live, (not_before IS NU
 -- name: select_item
 SELECT {item} FROM agent_dispatch_work_items WHERE id = %(id)s
 
+-- name: select_items
+SELECT {item} FROM agent_dispatch_work_items WHERE id = ANY(%(ids)s)
+
 -- name: select_by_key
 SELECT {item}, payload_digest FROM agent_dispatch_work_items WHERE tenant = %(tenant)s AND idempotency_key = %(key)s
 
