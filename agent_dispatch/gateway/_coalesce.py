@@ -6,8 +6,8 @@ single-turn transactions run one after the other however many clients there are;
 how the store and the queue go fast (one transaction, one pipeline, one depth update). Reads pay
 per request what a batch pays once: the hand-off to an I/O thread, a pooled connection, a round
 trip. This turns concurrent requests into such batches without delaying a lone one: the first
-request is sent at once; requests that arrive while :data:`IN_FLIGHT` batches are running wait for
-the next batch, which then holds all of them (up to :data:`MAX_SIZE`).
+request is sent at once; requests that arrive while a batch is running (:data:`IN_FLIGHT`) wait
+for the next batch, which then holds all of them (up to :data:`MAX_SIZE`).
 
 Every request keeps its own outcome (the batch function gives one per request, and one refusal
 hides no other), so a client sees exactly what it would have seen alone. Written here because the
@@ -32,9 +32,12 @@ OutcomeT = TypeVar("OutcomeT")
 #: A submission's outcome: its result, or its own refusal.
 Outcome: TypeAlias = SubmitResult | DispatchError
 
-#: Batches running at once; more waiting requests form the next batch instead. Two keep the
-#: database busy while one batch's answers travel back, without competing for the depth row.
-IN_FLIGHT: Final = 2
+#: Batches running at once; more waiting requests form the next batch instead. One: admissions
+#: take the queue's depth row one after the other anyway, so a second batch in flight only waited
+#: on its lock and split the waiting requests into smaller transactions. Measured with 32 clients
+#: on PostgreSQL (2026-12-06), against two in flight: single submissions 956 -> 1,215 turns/s
+#: (means of 3 runs), status reads 2,324 -> 2,673 requests/s (means of 2).
+IN_FLIGHT: Final = 1
 #: The most requests in one batch (the batch endpoint's own turns per request are of this order).
 MAX_SIZE: Final = 200
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,10 +48,8 @@ def test_get_many_returns_exactly_what_get_returns_for_each_id(h: Harness) -> No
     def agrees(ids: list[str], tenant: str | None) -> None:
         expected: dict[str, WorkItem] = {}
         for work_item_id in ids:
-            try:
+            with contextlib.suppress(NotFound):
                 expected[work_item_id] = s.get(work_item_id, tenant=tenant)
-            except NotFound:
-                pass
         assert s.get_many(ids, tenant=tenant) == expected
 
     agrees()
