@@ -243,7 +243,9 @@ def test_concurrent_status_reads_each_see_only_their_own_tenants_jobs(crowded_ga
     an absent job gets (another tenant's job is absent to them), whoever shared the read."""
     gw = crowded_gateway
     jobs = {
-        tenant: [gw.submit({"kind": "t", "payload": {"n": n}}, tenant=tenant).json()["job_id"] for n in range(6)]
+        tenant: [
+            gw.submit({"kind": "t", "payload": {"n": n}}, tenant=tenant).json()["job_id"] for n in range(6)
+        ]
         for tenant in ("tenant-a", "tenant-b")
     }
     unknown = ["0" * 32, "not-a-job", "x" * 300]
