@@ -148,6 +148,10 @@ class Answer(BaseModel):
     def body(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_unset=True)
 
+    def json_bytes(self) -> bytes:
+        """:meth:`body` as JSON text, encoded."""
+        return self.model_dump_json(exclude_unset=True).encode()
+
 
 class JobHandle(Answer):
     """The answer to an accepted submission."""
