@@ -4,6 +4,8 @@
   once, nobody gets an error, and PostgreSQL records no deadlock.
 * A worker whose own clock is minutes off neither steals a live lease (clock ahead) nor keeps
   an expired one (clock behind): expiry is measured by the database clock only.
+* Identical keyed submits racing through the single-submit path make one item; each gets the
+  answer it would have had alone.
 """
 
 from __future__ import annotations
@@ -288,3 +290,58 @@ def test_two_dependencies_committing_at_once_release_their_dependent(postgres_ds
         assert not [r for r in results if isinstance(r, Exception)]
         assert store.get(child.id).state is WorkState.READY
     store.close()
+
+
+def _race_submits(store: PostgresStore, requests: list[SubmitRequest]) -> list[tuple[bytes, Any]]:
+    """Each request submitted by its own thread, all released at once: (payload, result or error)."""
+    start = threading.Barrier(len(requests))
+    answers: list[tuple[bytes, Any]] = []
+    lock = threading.Lock()
+
+    def submit(request: SubmitRequest) -> None:
+        start.wait(timeout=30)
+        try:
+            answer: Any = store.submit(request)
+        except DispatchError as exc:
+            answer = exc
+        with lock:
+            answers.append((request.payload, answer))
+
+    threads = [threading.Thread(target=submit, args=(r,)) for r in requests]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return answers
+
+
+def test_identical_submits_racing_make_one_item_and_each_gets_its_answer(postgres_dsn: str) -> None:
+    """Eight threads submit the same keyed request at once (and two a different body under that
+    key), each through the single-submit path, which finds a repeat by its insert's conflict: one
+    item is created, every submit with the winner's body answers it, every other body is a
+    conflict."""
+    from agent_dispatch.errors import IdempotencyConflict
+
+    store = _store(postgres_dsn, max_size=10)
+    store.migrate()
+    try:
+        for round_no in range(5):
+            key = f"race-{round_no}"
+            same = SubmitRequest(tenant="t", kind="k", payload=b'{"n": 1}', idempotency_key=key)
+            other = SubmitRequest(tenant="t", kind="k", payload=b'{"n": 2}', idempotency_key=key)
+            answers = _race_submits(store, [same] * 8 + [other] * 2)
+            assert len(answers) == 10
+            created = [a for _, a in answers if not isinstance(a, DispatchError) and a.created]
+            assert len(created) == 1, answers
+            winner = created[0]
+            items = store.list_items(tenant="t", limit=100)
+            assert [i.id for i in items if i.idempotency_key == key] == [winner.item.id]
+            winner_payload = next(p for p, a in answers if a is winner)
+            for payload, answer in answers:
+                if payload == winner_payload:
+                    assert not isinstance(answer, DispatchError), answer
+                    assert answer.item.id == winner.item.id
+                else:
+                    assert isinstance(answer, IdempotencyConflict), answer
+    finally:
+        store.close()

@@ -53,12 +53,15 @@ class Submitting(PostgresBase):
         return SubmitResult(make_item(rec), created=False)
 
     def _submit(self, conn: Conn, prepared: Prepared, *, dispatched: bool = False) -> SubmitResult:
-        # A redelivered submit is the common repeat: answer it without taking any lock.
-        existing = self._existing(conn, prepared)
-        if existing is not None:
-            return self._repeat(existing, prepared)
+        # A repeat (a redelivered submit) is answered from the row that is there, without taking
+        # any lock: one with dependencies is looked up before they are locked; one without is
+        # found by the insert itself (ON CONFLICT DO NOTHING on the id and on the idempotency key,
+        # then the lookup below), which saves a fresh submit the two reads of a lookup first.
         states: dict[str, WorkState] = {}
         if prepared.depends_on:
+            existing = self._existing(conn, prepared)
+            if existing is not None:
+                return self._repeat(existing, prepared)
             locked = conn.execute(
                 LOCK_DEPENDENCIES, {"deps": list(prepared.depends_on), "tenant": prepared.tenant}
             ).fetchall()
