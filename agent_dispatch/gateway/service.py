@@ -344,7 +344,7 @@ class JobService:
         status reads). A job that is not the asking tenant's is that ask's 404, as if absent; an
         error of the read itself (the store unavailable) is raised, every ask's answer alike."""
         wanted = [job_id for _, job_id in asks if _REF.match(job_id)]
-        items = self.call(lambda: self.store.get_many(wanted)) if wanted else {}
+        items = self.call(lambda: self.store.get_many(wanted))
         views: list[JobView | ServiceError] = []
         for tenant, job_id in asks:
             item = items.get(job_id)
@@ -356,14 +356,11 @@ class JobService:
 
     def cancel(self, tenant: str, job_id: str) -> JobView:
         """Cancelling a finished job is not an error: the view says changed: false and how it ended."""
-        return self._job(tenant, job_id, "cancel")
-
-    def _job(self, tenant: str, job_id: str, action: str) -> JobView:
         if not _REF.match(job_id):
             # Not an id this service could have issued: indistinguishable from another tenant's job.
             raise not_found()
         view = self.call(
-            lambda: jobs.graph_jobs(self.store, action=action, job_id=job_id, tenant=tenant),
+            lambda: jobs.graph_jobs(self.store, action="cancel", job_id=job_id, tenant=tenant),
             missing=not_found(),
         )
         return JobView.model_validate(view)

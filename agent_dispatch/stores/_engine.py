@@ -113,6 +113,8 @@ class EngineStore(InspectCalls, FencedCalls):
         return make_item(row.record())
 
     def get_many(self, work_item_ids: Sequence[str], *, tenant: str | None = None) -> dict[str, WorkItem]:
+        if not work_item_ids:
+            return {}
         with self._read() as tx:
             rows = [tx.load(work_item_id) for work_item_id in dict.fromkeys(work_item_ids)]
         return {
