@@ -50,10 +50,7 @@ def test_one_statement_starts_a_batch_and_one_commits_it(
     execute = psycopg.Connection.execute
 
     def counting(self: psycopg.Connection[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
-        # A session's switch to generic plans is made once per session, not per call
-        # (tests/postgres/test_plan_modes.py).
-        if "plan_cache_mode" not in str(query):
-            statements.append(str(query))
+        statements.append(str(query))
         return execute(self, query, *args, **kwargs)
 
     monkeypatch.setattr(psycopg.Connection, "execute", counting)

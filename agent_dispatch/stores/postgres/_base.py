@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Final, TypeVar
@@ -49,10 +48,6 @@ from agent_dispatch.stores.postgres.statements import (
 
 R = TypeVar("R")
 Conn = Connection[DictRow]
-
-#: The plan cache mode of a session whose statements are planned once, for any parameters.
-_GENERIC_PLANS: Final = "SET plan_cache_mode = force_generic_plan"
-_AUTO_PLANS: Final = "RESET plan_cache_mode"
 
 _UNFINISHED: Final = sql.load(__package__ or "agent_dispatch.stores.postgres", "sql/unfinished.sql")
 
@@ -112,7 +107,6 @@ class PostgresBase(StoreCalls):
         self._schema_ok = False
         self._lock = threading.Lock()
         self._leaders: dict[str, psycopg.Connection[Any]] = {}
-        self._generic: weakref.WeakSet[Conn] = weakref.WeakSet()  # sessions in _GENERIC_PLANS mode
         try:
             # One plain connection first: an unreachable server fails fast, once, with one message
             # (the pool would retry quietly until its timeout).
@@ -144,37 +138,14 @@ class PostgresBase(StoreCalls):
         params["off"] = self._off
         return params
 
-    def _run(
-        self,
-        fn: Callable[[Conn], R],
-        *,
-        transaction: bool = True,
-        check_schema: bool = True,
-        generic_plans: bool = False,
-    ) -> R:
-        """Run ``fn`` on a pooled connection (in one transaction), retrying deadlock victims.
-
-        ``generic_plans``: ``fn``'s statements reach their rows by primary key (ids, or a fenced
-        lease), so their best plan is the same for every parameter value. PostgreSQL's default
-        (``plan_cache_mode = auto``) keeps planning such a prepared statement afresh for every
-        execution when its generic plan's estimate (an id array of unknown length) looks costlier
-        than its custom plans, and a worker's ``start_many`` spent 0.5 of its 1.4 ms planning.
-        The mode is a session setting, so it is switched (one statement, outside the transaction)
-        only when the borrowed session is in the other mode: statements whose plan does depend on
-        their parameters (a tenant filter that may be NULL, a LIMIT) keep the default.
-        """
+    def _run(self, fn: Callable[[Conn], R], *, transaction: bool = True, check_schema: bool = True) -> R:
+        """Run ``fn`` on a pooled connection (in one transaction), retrying deadlock victims."""
         if check_schema and not self._schema_ok:
             self._run(lambda conn: require(conn, self.schema), transaction=False, check_schema=False)
             self._schema_ok = True
 
         def once() -> R:
             with self._pool.connection() as conn:
-                if generic_plans is not (conn in self._generic):
-                    conn.execute(_GENERIC_PLANS if generic_plans else _AUTO_PLANS)
-                    if generic_plans:
-                        self._generic.add(conn)
-                    else:
-                        self._generic.discard(conn)
                 if not transaction:
                     return fn(conn)
                 with conn.transaction():

@@ -149,9 +149,7 @@ class PostgresStore(Inspecting, Submitting):
         params = self._p(
             owner=owner, ttl=ttl, ids=[i for i, _ in wanted], tenants=[tenant for _, tenant in wanted]
         )
-        rows = self._run(
-            lambda conn: conn.execute(START_MANY, params).fetchall(), transaction=False, generic_plans=True
-        )
+        rows = self._run(lambda conn: conn.execute(START_MANY, params).fetchall(), transaction=False)
         return {rec["id"]: StartedTurn(make_lease(rec), bytes(rec["payload"])) for rec in rows}
 
     def _renew(self, lease: Lease, ttl: float) -> Lease:
@@ -232,9 +230,7 @@ class PostgresStore(Inspecting, Submitting):
             outcomes=[outcome.value for _, outcome, _ in wanted],
             errors=[error for _, _, error in wanted],
         )
-        rows = self._run(
-            lambda conn: conn.execute(COMMIT_MANY, params).fetchall(), transaction=False, generic_plans=True
-        )
+        rows = self._run(lambda conn: conn.execute(COMMIT_MANY, params).fetchall(), transaction=False)
         return {rec["id"]: make_item(rec) for rec in rows}
 
     def _retry(self, lease: Lease, error: str | None) -> tuple[WorkItem, bool]:

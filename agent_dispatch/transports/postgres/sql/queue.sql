@@ -374,12 +374,7 @@ CREATE OR REPLACE FUNCTION agent_dispatch_queue_admit(
     p_priorities integer[], p_deadlines timestamptz[], p_not_befores timestamptz[], p_wires bytea[],
     p_bound bigint)
 RETURNS bigint
-LANGUAGE plpgsql
--- Generic plans, as for the claim: every statement below reaches its rows through the arrays' keys
--- (unique indexes, ON CONFLICT), and under the default mode each call planned them afresh
--- (a one-turn admission 0.98 -> 0.83 ms, bench/findings.md, issue 21).
-SET plan_cache_mode = force_generic_plan
-AS $fn$
+LANGUAGE plpgsql AS $fn$
 DECLARE
     c_new_base CONSTANT bigint := -4611686018427387904;  -- newcomers rank below every served stamp
     a_tenants bytea[];
@@ -475,9 +470,7 @@ $fn$;
 CREATE OR REPLACE FUNCTION agent_dispatch_queue_ack(p_ids bigint[], p_owners text[], p_tokens uuid[],
                                                     p_claimed timestamptz[])
 RETURNS SETOF bigint
-LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan  -- as for the claim and the admission
-AS $fn$
+LANGUAGE plpgsql AS $fn$
 DECLARE
     a_ids     bigint[];
     a_tenants bytea[];
