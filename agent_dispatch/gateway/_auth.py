@@ -9,7 +9,6 @@ the Secret's contents the file changes and the registry picks the new hashes up 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 import os
 import re
@@ -129,7 +128,7 @@ def write_tokens_file(
 
 
 class TokenRegistry:
-    """Resolves a presented bearer token to its tenant, in time independent of which one matches."""
+    """Resolves a presented bearer token to its tenant by the token's SHA-256 digest."""
 
     def __init__(
         self,
@@ -138,6 +137,7 @@ class TokenRegistry:
         path: Path | None = None,
     ) -> None:
         self._entries = self._flatten(tenants)
+        self._by_digest = self._index(self._entries)
         self._path = path
         self._identity = self._stat() if path is not None else None
         self._next_check = time.monotonic() + RELOAD_CHECK_S
@@ -167,6 +167,11 @@ class TokenRegistry:
             for digest in digests
         ]
 
+    @staticmethod
+    def _index(entries: list[tuple[Principal, bytes]]) -> dict[bytes, Principal]:
+        # A digest listed for two principals resolves to the later one (as the file reads).
+        return dict((digest, principal) for principal, digest in entries)
+
     @property
     def tenants(self) -> set[str]:
         return {p.name for p, _ in self._entries if not p.admin}
@@ -184,13 +189,11 @@ class TokenRegistry:
         """Whoever holds the token with this sha256 digest (a UI session keeps the digest, not the token,
         so a token removed from the file ends its sessions too)."""
         self._maybe_reload()
-        found: Principal | None = None
-        # Compare against every entry, without stopping early, so timing does not reveal which
-        # entry (or whether any) matched; hashing first makes the comparison length-independent.
-        for principal, digest in self._entries:
-            if hmac.compare_digest(presented, digest):
-                found = principal
-        return found
+        # One hash-table lookup by the token's SHA-256 digest, whatever the number of tenants (a
+        # constant-time comparison with every entry cost 3% of a status read's CPU at 100 tenants,
+        # and grew with them). Its timing depends only on the digest, which no one can steer
+        # toward a stored one without a preimage of SHA-256, so it tells nothing about any token.
+        return self._by_digest.get(presented)
 
     def _stat(self) -> tuple[int, int, int] | None:
         assert self._path is not None
@@ -215,5 +218,6 @@ class TokenRegistry:
                 log.warning("tokens file changed but is invalid; keeping the previous tokens: %s", exc)
                 return
             self._entries = entries
+            self._by_digest = self._index(entries)
             self._identity = identity
             log.info("tokens file reloaded", extra={"tenants": len({p for p, _ in entries})})

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent_dispatch.gateway import _auth
 from agent_dispatch.gateway._auth import TokenRegistry, TokensFileError, hash_token, load_tokens_file
@@ -108,3 +110,31 @@ def test_an_admin_entry_is_an_administrator_not_a_tenant(tmp_path: Path) -> None
     path.write_text(f"ops:\n  token_sha256: {'0' * 64}\n  role: root\n")
     with pytest.raises(TokensFileError, match="role must be one of"):
         TokenRegistry.from_file(path)
+
+
+_tokens = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["t1", "t2", "t3", "ops"]), st.booleans(), _tokens), max_size=12),
+    st.lists(_tokens, max_size=6),
+)
+def test_a_token_resolves_to_whoever_lists_its_digest(
+    entries: list[tuple[str, bool, str]], strangers: list[str]
+) -> None:
+    """Whatever the registry, a presented token resolves as a scan of every entry would (the later
+    entry wins for a digest listed twice), and an unlisted one resolves to nobody."""
+    principals: dict[_auth.Principal, tuple[bytes, ...]] = {}
+    for name, admin, token in entries:
+        who = _auth.Principal(name, admin=admin)
+        principals[who] = (*principals.get(who, ()), hashlib.sha256(token.encode()).digest())
+    registry = TokenRegistry(principals)
+    for token in [t for _, _, t in entries] + strangers:
+        digest = hashlib.sha256(token.encode()).digest()
+        expected = None
+        for who, digests in principals.items():
+            if digest in digests:
+                expected = who
+        assert registry.identify(token) == expected
+        assert registry.authenticate(token) == (None if expected is None or expected.admin else expected.name)
