@@ -30,7 +30,7 @@ from agent_dispatch.models import (
 )
 
 #: Schema version this code needs; stores refuse older databases (run ``agent-dispatch migrate``).
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 MAX_ERROR_CHARS: Final = 2000
 MAX_TENANT_CHARS: Final = 200
 

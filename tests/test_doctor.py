@@ -16,6 +16,7 @@ import pytest
 
 from agent_dispatch import doctor
 from agent_dispatch.settings import load
+from agent_dispatch.store import SCHEMA_VERSION
 from testenv.postgres import PostgresServer
 
 BASE_ENV = {
@@ -143,7 +144,7 @@ def test_doctor_probes_a_local_install_and_hides_its_paths(tmp_path: Path) -> No
     }
     assert checks["schema"]["status"] == "ok" and "current" in str(checks["schema"]["detail"])
     # The store's count of unfinished turns against the bound (what admission compares, every backend).
-    assert checks["schema"]["data"] == {"version": 2, "unfinished": 0, "max_depth": 100_000}
+    assert checks["schema"]["data"] == {"version": SCHEMA_VERSION, "unfinished": 0, "max_depth": 100_000}
     assert checks["signing_key"]["status"] == "ok"
     assert checks["worker_heartbeats"]["status"] == "ok"
     human = run_doctor(env)

@@ -9,10 +9,13 @@ dead letter takes its room under the same count. SQLite and a real PostgreSQL.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ from agent_dispatch.store import (
     TransactionalSubmit,
     WorkItemStore,
 )
-from agent_dispatch.stores._common import COMPONENT
+from agent_dispatch.stores._common import COMPONENT, prepare_submit
 from agent_dispatch.stores.postgres import PostgresStore
 from tests.contract._store_harness import (  # noqa: F401 (store_postgres_dsn is a fixture)
     DB_BACKENDS,
@@ -62,6 +65,10 @@ def counted(store: WorkItemStore) -> int:
 
 def request(key: str | None = None, tenant: str = "t1", **kw: Any) -> SubmitRequest:
     return SubmitRequest(tenant=tenant, kind="turn", payload=b"{}", idempotency_key=key, **kw)
+
+
+#: ``request`` under a name the tests taking pytest's ``request`` fixture can still call.
+keyed = request
 
 
 def submit(store: WorkItemStore, **kw: Any) -> WorkItem:
@@ -234,7 +241,7 @@ def test_concurrent_bounded_retries_and_submits_never_exceed_the_bound(h: Harnes
 def test_the_postgres_migration_counts_what_is_already_there(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    """Upgrading a database from schema 1 to 2 counts the unfinished items it holds."""
+    """Upgrading a database from schema 1 counts the unfinished items it holds."""
     with open_harness("postgres", request, tmp_path) as harness:
         s = harness.store
         assert isinstance(s, PostgresStore)
@@ -243,9 +250,58 @@ def test_the_postgres_migration_counts_what_is_already_there(
         s.commit(s.mark_running(lease(s, done)), Outcome.SUCCEEDED)
         with psycopg.connect(s._dsn, autocommit=True) as conn:
             conn.execute(
-                "DROP TABLE agent_dispatch_unfinished; DROP FUNCTION agent_dispatch_count_unfinished CASCADE"
+                "DROP TABLE agent_dispatch_unfinished; DROP FUNCTION agent_dispatch_count_unfinished CASCADE;"
+                " DROP FUNCTION agent_dispatch_note_unfinished CASCADE"
             )
             conn.execute(
-                "DELETE FROM agent_dispatch_schema_version WHERE component = %s AND version = 2", (COMPONENT,)
+                "DELETE FROM agent_dispatch_schema_version WHERE component = %s AND version >= 2",
+                (COMPONENT,),
             )
         assert counted(harness.open(migrate=True)) == 1
+
+
+def _to_schema_2(dsn: str) -> None:
+    """Put a current database back to schema 2: v2.sql's per-row counter, v3's triggers gone."""
+    v2 = resources.files("agent_dispatch.stores.postgres").joinpath("sql/v2.sql").read_text()
+    function = re.search(r"CREATE FUNCTION agent_dispatch_count_unfinished\(\).*?\$\$;", v2, re.DOTALL)
+    assert function is not None
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP FUNCTION agent_dispatch_note_unfinished CASCADE")
+        conn.execute(function.group(0).replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1))
+        conn.execute(
+            "DELETE FROM agent_dispatch_schema_version WHERE component = %s AND version = 3", (COMPONENT,)
+        )
+
+
+@pytest.mark.postgres
+def test_the_postgres_upgrade_to_schema_3_keeps_the_count(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Schema 3 sums a transaction's changes and writes the row once: the count stays exact
+    across the upgrade, in batches, and when a savepoint rolls back part of a transaction."""
+    with open_harness("postgres", request, tmp_path) as harness:
+        s = harness.store
+        assert isinstance(s, PostgresStore)
+        _to_schema_2(s._dsn)
+        done = submit(s)
+        kept = submit(s)
+        s.commit(s.mark_running(lease(s, done)), Outcome.SUCCEEDED)
+        assert counted(s) == 1
+        s = harness.open(migrate=True)
+        assert isinstance(s, PostgresStore)
+        assert counted(s) == 1
+        results = s.submit_many_in_transaction([keyed(f"b{i}") for i in range(5)], lambda conn, items: None)
+        assert counted(s) == 6
+        leases = [lease(s, r.item) for r in results if isinstance(r, SubmitResult)] + [lease(s, kept)]
+        s.commit_many([(s.mark_running(held), Outcome.SUCCEEDED, None) for held in leases[:4]])
+        assert counted(s) == 2
+
+        def partly_rolled_back(conn: Any) -> None:
+            s._submit(conn, prepare_submit(keyed("outer"), s.limits))
+            with contextlib.suppress(RuntimeError), conn.transaction():  # a savepoint
+                s._submit(conn, prepare_submit(keyed("inner"), s.limits))
+                raise RuntimeError("roll the savepoint back")
+
+        s._run(partly_rolled_back)
+        assert counted(s) == 3
+        assert s.get(prepare_submit(keyed("outer"), s.limits).id).state is WorkState.READY

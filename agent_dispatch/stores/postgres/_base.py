@@ -237,7 +237,7 @@ class PostgresBase(StoreCalls):
         rows = self._run(lambda c: c.execute(RECOVERABLE, params).fetchall(), transaction=False)
         return [make_item(rec) for rec in rows[:limit]]
 
-    # --- the unfinished count (schema v2: kept by triggers) ---------------------------------------------------
+    # --- the unfinished count (schema v2: kept by triggers; v3: one write per transaction) ---------------------
 
     def unfinished(self) -> int:
         rec = self._run(lambda c: self._one(c, _UNFINISHED["unfinished"], {}), transaction=False)
@@ -249,8 +249,9 @@ class PostgresBase(StoreCalls):
         submit's ``then``, the dead-letter retry): the count plus the new unfinished items must
         stay within ``bound``, else ``QueueFull``.
 
-        The row lock is taken last and held only until the commit, where the deferred triggers
-        add the new items under it (so no other submit or retry can take the same room).
+        The row lock is taken last and held only until the commit, where the deferred trigger
+        adds the transaction's new items under it (so no other submit or retry can take the same
+        room).
         """
         new = sum(not item.state.terminal for item in created)
         if not new:

@@ -1,5 +1,6 @@
--- The unfinished count's statements (schema: v2.sql): the bounded submit and the bounded
--- dead-letter retry. Loaded by agent_dispatch.stores.postgres._base (admit_unfinished).
+-- The unfinished count's statements (schema: v2.sql; written once per transaction since v3.sql):
+-- the bounded submit and the bounded dead-letter retry. Loaded by
+-- agent_dispatch.stores.postgres._base (admit_unfinished).
 
 -- name: lock_unfinished
 -- Taken last in a bounded submit's or retry's transaction (after its inserts or update and the

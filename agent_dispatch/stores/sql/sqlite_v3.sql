@@ -1,0 +1,4 @@
+-- The WorkItem schema on SQLite, 2 -> 3: nothing changes here. The version follows the
+-- PostgreSQL schema, whose v3.sql moves the unfinished count once per transaction instead of once
+-- per row; SQLite's triggers (sqlite_v2.sql) update a row only its one writer holds, so they
+-- make no other transaction wait.
