@@ -25,9 +25,9 @@ from agent_dispatch.gateway import _metrics as m
 from agent_dispatch.gateway import ui
 from agent_dispatch.gateway._auth import TokenRegistry
 from agent_dispatch.gateway._coalesce import Coalescer, SubmitCoalescer
-from agent_dispatch.gateway._models import Answer, JobHandle, JobView
+from agent_dispatch.gateway._models import Answer, JobHandle
 from agent_dispatch.gateway._openapi import openapi_document
-from agent_dispatch.gateway.service import JobService, ServiceError, admission_result
+from agent_dispatch.gateway.service import JobService, ServiceError, admission_result, view_json
 from agent_dispatch.models import WorkItem
 from agent_dispatch.runtime import Runtime
 from agent_dispatch.settings import IO_THREADS, Settings
@@ -76,7 +76,7 @@ class Gateway:
     )
     service: JobService = field(init=False)
     coalescer: SubmitCoalescer = field(init=False)
-    reads: Coalescer[tuple[str, str], JobView | ServiceError] = field(init=False)
+    reads: Coalescer[tuple[str, str], WorkItem | ServiceError] = field(init=False)
 
     def __post_init__(self) -> None:
         self.service = JobService(self.settings, self.store, lambda: self.runtime.admission)
@@ -178,10 +178,10 @@ class Gateway:
 
     async def job_status(self, request: web.Request) -> web.Response:
         tenant = self.tenant_of(request)
-        view = await self.reads.run((tenant, request.match_info["job_id"]))
-        if isinstance(view, ServiceError):
-            raise view
-        return answer(view)
+        found = await self.reads.run((tenant, request.match_info["job_id"]))
+        if isinstance(found, ServiceError):
+            raise found
+        return web.Response(body=view_json(found), content_type="application/json")
 
     async def job_cancel(self, request: web.Request) -> web.Response:
         tenant = self.tenant_of(request)
