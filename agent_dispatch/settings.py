@@ -175,7 +175,7 @@ class Settings(BaseSettings):
         4, validation_alias=_env("AGENT_DISPATCH_CONCURRENCY")
     )
     claim_batch: Annotated[int, Field(ge=1, le=256)] = Field(
-        16, validation_alias=_env("AGENT_DISPATCH_CLAIM_BATCH")
+        64, validation_alias=_env("AGENT_DISPATCH_CLAIM_BATCH")
     )
     executor: Annotated[str, Field(pattern=EXECUTOR_PATTERN)] = Field(
         "noop", validation_alias=_env("AGENT_DISPATCH_EXECUTOR")

@@ -69,7 +69,7 @@ class BatchHost(Protocol):
 
     def lease_lost(self, delivery: Delivery, exc: LeaseLost) -> str: ...
 
-    def observe_turn(self, seconds: float) -> None: ...
+    def observe_turn(self, seconds: float, payload_bytes: int) -> None: ...
 
     def commit(self, delivery: Delivery, lease: Lease, failure: TurnFailed | None) -> str: ...
 
@@ -195,7 +195,7 @@ class Batch:
             return
         elapsed = time.perf_counter() - started
         m.EXECUTE_SECONDS.observe(elapsed)
-        w.observe_turn(elapsed)
+        w.observe_turn(elapsed, len(turn.payload))
         turn.lease = guard.lease
         if failure is not None and failure.retryable:
             self._finish(turn)

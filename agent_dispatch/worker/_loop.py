@@ -41,8 +41,27 @@ from agent_dispatch.worker._release import Committer
 
 log = logging.getLogger("agent_dispatch.worker")
 
-#: Turns shorter than this (a moving average) are claimed in batches of ``claim_batch``.
+#: Turns shorter than this (a moving average) are claimed in batches (:func:`claim_size`).
 SHORT_TURN_S = 0.05
+#: A batch holds about this much work at the observed turn time: what a batch of 16 turns just
+#: under ``SHORT_TURN_S`` held when 16 was a fixed size. Faster turns get larger batches, up to
+#: ``claim_batch``, so their round trips are shared more widely; slower ones get smaller batches,
+#: so a claimer never keeps more claimed turns waiting behind the one it runs than that.
+BATCH_WORK_S = 0.8
+#: And about this many payload bytes at the observed payload size (a batch's payloads are read
+#: at once): what a batch of 16 could hold at the default 1 MiB payload limit, so a worker's
+#: memory does not grow with ``claim_batch`` when its payloads are large.
+BATCH_PAYLOAD_BYTES = 16 * 1024 * 1024
+
+
+def claim_size(turn_s: float | None, claim_batch: int, payload_bytes: float = 0.0) -> int:
+    """How many deliveries one claim asks for, given the moving averages of turn time (``None``
+    before the first turn) and payload size: one while turns are long or unknown, else as many
+    as fit in :data:`BATCH_WORK_S` and :data:`BATCH_PAYLOAD_BYTES`, between 1 and ``claim_batch``."""
+    if turn_s is None or turn_s >= SHORT_TURN_S:
+        return 1
+    fit = min(BATCH_WORK_S / max(turn_s, 1e-9), BATCH_PAYLOAD_BYTES / max(payload_bytes, 1.0))
+    return max(1, min(claim_batch, int(fit)))
 
 
 @dataclass
@@ -88,6 +107,7 @@ class Worker:
         self._in_flight_lock = threading.Lock()
         # Unknown until a turn has run: claim one at a time until turns prove short.
         self._turn_s: float | None = None
+        self._payload_bytes = 0.0
         self.renewer = LeaseRenewer(f"lease-renewer-{self.worker_id}")
         self.committer = Committer(store, transport, signing_key=signing_key)
 
@@ -140,14 +160,14 @@ class Worker:
 
     @property
     def batch_size(self) -> int:
-        """``claim_batch`` while turns are short; one at a time while they are long (or unknown),
-        so a long turn never keeps other claimed turns waiting behind it."""
-        turn_s = self._turn_s
-        return self.settings.claim_batch if turn_s is not None and turn_s < SHORT_TURN_S else 1
+        """Batches while turns are short, one at a time while they are long (or unknown), so a
+        long turn never keeps other claimed turns waiting behind it (:func:`claim_size`)."""
+        return claim_size(self._turn_s, self.settings.claim_batch, self._payload_bytes)
 
-    def observe_turn(self, seconds: float) -> None:
+    def observe_turn(self, seconds: float, payload_bytes: int) -> None:
         previous = self._turn_s
         self._turn_s = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        self._payload_bytes = 0.8 * self._payload_bytes + 0.2 * payload_bytes
 
     def _claim_loop(self, owner: str) -> None:
         while not self._stop_claiming.is_set():
@@ -307,7 +327,7 @@ class Worker:
                 failure = run_executor(self.executor, envelope, payload, guard, log)
             elapsed = time.perf_counter() - started
             m.EXECUTE_SECONDS.observe(elapsed)
-            self.observe_turn(elapsed)
+            self.observe_turn(elapsed, len(payload))
             return self.commit(delivery, guard.lease, failure)
         except LeaseLost as exc:
             return self.lease_lost(delivery, exc)

@@ -9,12 +9,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agent_dispatch.envelope import AgentTurnEnvelope
 from agent_dispatch.lease import WorkItemLeaseGuard, session_execution_guard
 from agent_dispatch.models import WorkState
 from agent_dispatch.worker import Worker
 from agent_dispatch.worker._batch import HOLD_S
+from agent_dispatch.worker._loop import BATCH_PAYLOAD_BYTES, BATCH_WORK_S, SHORT_TURN_S, claim_size
 from tests.worker._support import enqueue, wait_for
 from tests.worker.test_worker_unit import Recorder, make, states
 
@@ -139,3 +142,32 @@ def test_a_busy_session_is_handed_back_and_runs_later(running: list[Worker]) -> 
     wait_for(lambda: all(s is WorkState.SUCCEEDED for s in states(store, busy)), what="busy session runs")
     assert recorder.overlaps == 0
     assert sorted(j for j, _ in recorder.effects) == sorted(busy + free)
+
+
+@given(
+    turn_s=st.none() | st.floats(0.0, 10.0, allow_nan=False),
+    later_s=st.floats(0.0, 10.0, allow_nan=False),
+    claim_batch=st.integers(1, 256),
+    payload=st.floats(0.0, 64 * 1024 * 1024, allow_nan=False),
+    larger=st.floats(0.0, 64 * 1024 * 1024, allow_nan=False),
+)
+def test_a_claim_asks_for_at_most_a_batch_of_work(
+    turn_s: float | None, later_s: float, claim_batch: int, payload: float, larger: float
+) -> None:
+    size = claim_size(turn_s, claim_batch, payload)
+    assert 1 <= size <= claim_batch
+    if turn_s is None or turn_s >= SHORT_TURN_S:
+        assert size == 1  # long or unmeasured turns: one at a time
+        return
+    # The batch's expected work and payload bytes stay within their bounds (a batch of one may
+    # pass them); the fastest turns with small payloads fill claim_batch.
+    assert size == 1 or (size * turn_s <= BATCH_WORK_S and size * payload <= BATCH_PAYLOAD_BYTES)
+    margin = 1 - 1e-9  # float rounding
+    if (
+        turn_s * claim_batch < BATCH_WORK_S * margin
+        and max(payload, 1) * claim_batch < BATCH_PAYLOAD_BYTES * margin
+    ):
+        assert size == claim_batch
+    # Slower turns or larger payloads never get a larger batch.
+    assert claim_size(max(turn_s, later_s), claim_batch, payload) <= size
+    assert claim_size(turn_s, claim_batch, max(payload, larger)) <= size
