@@ -167,7 +167,10 @@ class Worker:
     def observe_turn(self, seconds: float, payload_bytes: int) -> None:
         previous = self._turn_s
         self._turn_s = seconds if previous is None else 0.8 * previous + 0.2 * seconds
-        self._payload_bytes = 0.8 * self._payload_bytes + 0.2 * payload_bytes
+        # The payload estimate rises at once to a larger payload and falls back gradually: the
+        # next claims shrink as soon as large payloads appear.
+        estimate = 0.8 * self._payload_bytes + 0.2 * payload_bytes
+        self._payload_bytes = float(payload_bytes) if previous is None else max(estimate, payload_bytes)
 
     def _claim_loop(self, owner: str) -> None:
         while not self._stop_claiming.is_set():

@@ -171,3 +171,15 @@ def test_a_claim_asks_for_at_most_a_batch_of_work(
     # Slower turns or larger payloads never get a larger batch.
     assert claim_size(max(turn_s, later_s), claim_batch, payload) <= size
     assert claim_size(turn_s, claim_batch, max(payload, larger)) <= size
+
+
+def test_large_payloads_shrink_the_next_claims_at_once() -> None:
+    _, _, worker = make(Recorder(), concurrency=1)
+    assert worker.batch_size == 1  # no turn measured yet
+    worker.observe_turn(0.0001, 100)
+    assert worker.batch_size == worker.settings.claim_batch == 64
+    worker.observe_turn(0.0001, 1024 * 1024)
+    assert worker.batch_size == BATCH_PAYLOAD_BYTES // (1024 * 1024) == 16
+    for _ in range(50):  # small payloads again: the batch grows back
+        worker.observe_turn(0.0001, 100)
+    assert worker.batch_size == 64
