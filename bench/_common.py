@@ -175,6 +175,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def machine_busy_seconds() -> float:
+    """CPU time every core of the machine has spent busy so far (``/proc/stat``: all but idle and
+    I/O wait), so a window's difference is the CPU that everything running took in it."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / CLK_TCK
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

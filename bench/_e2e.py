@@ -31,6 +31,7 @@ from bench._common import (
     ROOT,
     Poller,
     Proc,
+    machine_busy_seconds,
     python_cmd,
     say,
     spawn,
@@ -308,9 +309,19 @@ class OursDriver:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def measure(driver: Driver, *, processes: int, count: int, log_dir: Path) -> tuple[float, float]:
-    """One run: turns per second for ``count`` turns through ``processes`` worker processes, and
-    the submission rate alone (the inserter's first submit until it exited)."""
+@dataclass(frozen=True)
+class Measured:
+    """One run's figures."""
+
+    rate: float  # turns/s, the inserter's first submit until the last turn finished
+    submit_rate: float  # turns/s, the inserter's first submit until it exited
+    cpu_ms_per_turn: float  # the whole machine's busy CPU in that window, per turn
+
+
+def measure(driver: Driver, *, processes: int, count: int, log_dir: Path) -> Measured:
+    """One run: turns per second for ``count`` turns through ``processes`` worker processes, the
+    submission rate alone, and the CPU the whole machine spent per turn meanwhile (the inserter,
+    the workers, the database and the kernel alike: what a turn costs, whoever pays it)."""
     driver.prepare()
     workers: list[Proc] = []
     try:
@@ -322,8 +333,10 @@ def measure(driver: Driver, *, processes: int, count: int, log_dir: Path) -> tup
         wait_drained(driver.remaining, warm, timeout=timeout)
         inserter = driver.start_inserter(count, log_dir, "timed")
         start = float(inserter.wait_line("start ", 120).split()[1])
+        busy = machine_busy_seconds()
         end = wait_drained(driver.remaining, inserter, timeout=timeout)
-        return count / (end - start), count / max(inserter.exited_at - start, 1e-9)
+        cpu_ms = 1000 * (machine_busy_seconds() - busy) / count
+        return Measured(count / (end - start), count / max(inserter.exited_at - start, 1e-9), cpu_ms)
     finally:
         for proc in workers:
             proc.stop()
@@ -363,7 +376,7 @@ def run_rounds(
     count: int,
     rounds: int,
     log_dir: Path,
-    record: Callable[[str, int, float | None, str | None, float | None], None],
+    record: Callable[[str, int, float | None, str | None, float | None, float | None], None],
 ) -> None:
     """Interleave systems within each round, so drift on a busy machine hits all of them alike."""
     for round_no in range(1, rounds + 1):
@@ -371,12 +384,15 @@ def run_rounds(
             for label, make in drivers:
                 try:
                     driver = make()
-                    rate, submit = measure(driver, processes=k, count=count, log_dir=log_dir)
+                    got = measure(driver, processes=k, count=count, log_dir=log_dir)
                 except Exception as exc:  # one failed run is reported, not fatal to the benchmark
                     say(f"round {round_no}: {label} x{k}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
-                    record(label, k, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", None)
+                    record(
+                        label, k, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", None, None
+                    )
                     continue
                 say(
-                    f"round {round_no}: {label:<28} {k} proc: {rate:8.1f} turns/s (submitting alone {submit:8.1f}/s)"
+                    f"round {round_no}: {label:<28} {k} proc: {got.rate:8.1f} turns/s (submitting alone "
+                    f"{got.submit_rate:8.1f}/s; {got.cpu_ms_per_turn:.3f} ms of CPU a turn)"
                 )
-                record(label, k, rate, None, submit)
+                record(label, k, got.rate, None, got.submit_rate, got.cpu_ms_per_turn)

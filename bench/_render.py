@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,25 @@ def _rates(data: dict[str, Any], backend: str, system: str, processes: int) -> l
 def _med(data: dict[str, Any], backend: str, system: str, processes: int) -> float | None:
     rates = _rates(data, backend, system, processes)
     return median(rates) if rates else None
+
+
+def _per_run_table(
+    w: Callable[[str], None], data: dict[str, Any], procs: list[int], key: str, fmt: Callable[[float], str]
+) -> None:
+    """One PostgreSQL row per system: the median of ``key`` over its runs at each process count."""
+    w("| system | " + " | ".join(f"{k} proc" for k in procs) + " |")
+    w("| --- |" + " --- |" * len(procs))
+    for system in _systems(data, "postgres"):
+        cells = []
+        for k in procs:
+            values = [
+                r[key]
+                for r in data["e2e"]
+                if r["backend"] == "postgres" and r["system"] == system and r["processes"] == k and r.get(key)
+            ]
+            cells.append(fmt(median(values)) if values else "n/a")
+        w(f"| {system} | " + " | ".join(cells) + " |")
+    w("")
 
 
 def _fmt(value: float | None, digits: int = 0) -> str:
@@ -210,22 +230,17 @@ def render(data: dict[str, Any]) -> str:
             "while the workers ran): an end-to-end figure cannot pass it."
         )
         w("")
-        w("| system | " + " | ".join(f"{k} proc" for k in procs) + " |")
-        w("| --- |" + " --- |" * len(procs))
-        for system in _systems(data, "postgres"):
-            cells = []
-            for k in procs:
-                sub = [
-                    r["submit_rate"]
-                    for r in data["e2e"]
-                    if r["backend"] == "postgres"
-                    and r["system"] == system
-                    and r["processes"] == k
-                    and r.get("submit_rate")
-                ]
-                cells.append(_fmt(median(sub)) if sub else "n/a")
-            w(f"| {system} | " + " | ".join(cells) + " |")
+        _per_run_table(w, data, procs, "submit_rate", _fmt)
+    if any(r.get("cpu_ms_per_turn") for r in data["e2e"]):
+        cores = data.get("machine", {}).get("cores") or 1
+        w(
+            "CPU per turn, in the same runs: milliseconds of CPU the whole machine was busy from the first "
+            "submit until the last turn finished, over the turns (the inserter, the workers, the database "
+            f"and the kernel alike). Where the CPU is the bound, the {cores} cores give at most "
+            f"{cores * 1000:,} / that turns/s."
+        )
         w("")
+        _per_run_table(w, data, procs, "cpu_ms_per_turn", lambda v: f"{v:.3f} ms")
     w("### Kafka and SQLite (1 worker process)")
     w("")
     w("| backend | agent-dispatch | raw ceiling | ratio |")

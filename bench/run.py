@@ -99,7 +99,12 @@ class Results:
 
     def e2e(self, backend: str) -> Any:
         def record(
-            system: str, processes: int, rate: float | None, error: str | None, submit: float | None = None
+            system: str,
+            processes: int,
+            rate: float | None,
+            error: str | None,
+            submit: float | None = None,
+            cpu_ms: float | None = None,
         ) -> None:
             self.data["e2e"].append(
                 {
@@ -109,6 +114,7 @@ class Results:
                     "rate": rate,
                     "error": error,
                     "submit_rate": submit,
+                    "cpu_ms_per_turn": cpu_ms,
                 }
             )
 
