@@ -266,3 +266,28 @@ def test_batches_larger_than_the_tenant_count_follow_the_reference_order(
         claimed += [d.work_item_id for d in got]
         transport.ack_many([d.receipt for d in got[1::2]])
     assert claimed == expected
+
+
+def test_batches_larger_than_the_free_tenants_take_whole_rounds_in_the_reference_order(
+    transport: PostgresTransport, postgres_dsn: str
+) -> None:
+    """Claims of 50 over 6 tenants, 3 groups and two priorities: a call takes several rounds, each
+    one row of every tenant in lane order, and the result is still the reference order."""
+    reset(postgres_dsn)
+    reference = Reference()
+    rows: list[Row] = []
+    for idx in range(300):
+        tenant, group, priority = f"tenant-{idx * 5 % 6}", f"g{idx % 3}", 1 if idx % 7 == 0 else 0
+        sent = outbound(tenant, group, priority=priority)
+        transport.admit([sent])
+        reference.arrive(tenant, group)
+        rows.append(Row(idx, tenant, group, priority, None, False, sent.work_item_id))
+    expected = reference.order(rows)
+    claimed: list[str] = []
+    sizes = []
+    while got := transport.claim("worker", max_items=50):
+        sizes.append(len(got))
+        claimed += [d.work_item_id for d in got]
+        transport.ack_many([d.receipt for d in got[::3]])
+    assert claimed == expected
+    assert sizes[:5] == [50] * 5

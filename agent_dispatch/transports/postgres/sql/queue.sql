@@ -164,52 +164,57 @@ BEGIN
     SELECT q.deadline INTO v_first
       FROM agent_dispatch_queue q WHERE q.state = 'r' AND q.deadline IS NOT NULL ORDER BY q.deadline LIMIT 1;
     v_expired := coalesce(v_first <= now(), false);
-    -- The first round at once. Claimed one by one, the first rows of the call come from distinct
+    -- Whole rounds at once. Claimed one by one, the first rows of the call come from distinct
     -- tenants in lane order: the best lane's tenant, once served, ranks after every tenant not
-    -- served yet at that priority. So one statement locks up to p_max tenants in lane order and
-    -- reads each one's least recently served group and that group's first row, and the longest
-    -- prefix at the first tenant's priority whose stamps are current (as in the loop below) is
-    -- claimed and stamped in one more statement, in that order. The loop then takes over (next
-    -- round, lower priorities, stale stamps, expired deadlines) with these stamps visible.
+    -- served yet at that priority. So one statement locks up to the rest of p_max tenants in lane
+    -- order and reads each one's least recently served group and that group's first row, and the
+    -- longest prefix at the first tenant's priority whose stamps are current (as in the loop below)
+    -- is claimed and stamped in one more statement, in that order. With these stamps visible the
+    -- next round is the same pick again: the tenants just served rank after every other one (so a
+    -- call asking for more rows than there are free tenants takes each one's next row, round after
+    -- round, as the loop would, instead of one row per statement), and a tenant served meanwhile
+    -- by another claimer is skipped or stops the prefix as in the first. The loop then takes over
+    -- (lower priorities, stale stamps, expired deadlines).
     IF NOT v_expired AND p_max > 1 THEN
-        SELECT array_agg(p.tenant_ref ORDER BY p.o), array_agg(p.priority ORDER BY p.o),
-               array_agg(p.lane_served ORDER BY p.o), array_agg(p.served ORDER BY p.o),
-               array_agg(gl.group_ref ORDER BY p.o), array_agg(gl.group_served ORDER BY p.o),
-               array_agg(gl.served ORDER BY p.o), array_agg(r.id ORDER BY p.o)
-          INTO a_tenants, a_prios, a_lane_served, a_served, a_groups, a_gl_served, a_g_served, a_ids
-          FROM (SELECT k.*, row_number() OVER () AS o
-                  FROM (SELECT l.tenant_ref, l.priority, l.tenant_served AS lane_served, t.served
-                          FROM agent_dispatch_queue_tenant_lane l
-                          JOIN agent_dispatch_queue_tenant t ON t.tenant_ref = l.tenant_ref
-                         WHERE l.ready > 0
-                         ORDER BY l.priority DESC, l.tenant_served
-                         LIMIT p_max
-                           FOR UPDATE OF t SKIP LOCKED) k) p
-          LEFT JOIN LATERAL (
-                SELECT x.group_ref, x.group_served, g.served
-                  FROM agent_dispatch_queue_group_lane x
-                  LEFT JOIN agent_dispatch_queue_group g
-                    ON g.tenant_ref = x.tenant_ref AND g.group_ref = x.group_ref
-                 WHERE x.tenant_ref = p.tenant_ref AND x.priority = p.priority AND x.ready > 0
-                 ORDER BY x.group_served
-                 LIMIT 1) gl ON true
-          LEFT JOIN LATERAL (
-                SELECT q.id
-                  FROM agent_dispatch_queue q
-                 WHERE q.tenant_ref = p.tenant_ref AND q.group_ref = gl.group_ref
-                   AND q.priority = p.priority AND q.state = 'r'
-                 ORDER BY q.deadline, q.enqueued_at, q.id
-                 LIMIT 1) r ON true;
-        v_n := 0;
-        WHILE v_n < coalesce(cardinality(a_tenants), 0)
-              AND a_prios[v_n + 1] = a_prios[1]
-              AND a_lane_served[v_n + 1] = a_served[v_n + 1]
-              AND a_gl_served[v_n + 1] = a_g_served[v_n + 1]
-              AND a_ids[v_n + 1] IS NOT NULL LOOP
-            v_n := v_n + 1;
-            a_stamps[v_n] := nextval('agent_dispatch_queue_serve_seq');
-        END LOOP;
-        IF v_n > 0 THEN
+        LOOP
+            SELECT array_agg(p.tenant_ref ORDER BY p.o), array_agg(p.priority ORDER BY p.o),
+                   array_agg(p.lane_served ORDER BY p.o), array_agg(p.served ORDER BY p.o),
+                   array_agg(gl.group_ref ORDER BY p.o), array_agg(gl.group_served ORDER BY p.o),
+                   array_agg(gl.served ORDER BY p.o), array_agg(r.id ORDER BY p.o)
+              INTO a_tenants, a_prios, a_lane_served, a_served, a_groups, a_gl_served, a_g_served, a_ids
+              FROM (SELECT k.*, row_number() OVER () AS o
+                      FROM (SELECT l.tenant_ref, l.priority, l.tenant_served AS lane_served, t.served
+                              FROM agent_dispatch_queue_tenant_lane l
+                              JOIN agent_dispatch_queue_tenant t ON t.tenant_ref = l.tenant_ref
+                             WHERE l.ready > 0
+                             ORDER BY l.priority DESC, l.tenant_served
+                             LIMIT p_max - v_claimed
+                               FOR UPDATE OF t SKIP LOCKED) k) p
+              LEFT JOIN LATERAL (
+                    SELECT x.group_ref, x.group_served, g.served
+                      FROM agent_dispatch_queue_group_lane x
+                      LEFT JOIN agent_dispatch_queue_group g
+                        ON g.tenant_ref = x.tenant_ref AND g.group_ref = x.group_ref
+                     WHERE x.tenant_ref = p.tenant_ref AND x.priority = p.priority AND x.ready > 0
+                     ORDER BY x.group_served
+                     LIMIT 1) gl ON true
+              LEFT JOIN LATERAL (
+                    SELECT q.id
+                      FROM agent_dispatch_queue q
+                     WHERE q.tenant_ref = p.tenant_ref AND q.group_ref = gl.group_ref
+                       AND q.priority = p.priority AND q.state = 'r'
+                     ORDER BY q.deadline, q.enqueued_at, q.id
+                     LIMIT 1) r ON true;
+            v_n := 0;
+            WHILE v_n < coalesce(cardinality(a_tenants), 0)
+                  AND a_prios[v_n + 1] = a_prios[1]
+                  AND a_lane_served[v_n + 1] = a_served[v_n + 1]
+                  AND a_gl_served[v_n + 1] = a_g_served[v_n + 1]
+                  AND a_ids[v_n + 1] IS NOT NULL LOOP
+                v_n := v_n + 1;
+                a_stamps[v_n] := nextval('agent_dispatch_queue_serve_seq');
+            END LOOP;
+            EXIT WHEN v_n = 0;
             v_prio := a_prios[1];
             RETURN QUERY
                 WITH b AS (
@@ -242,8 +247,10 @@ BEGIN
                 SELECT c.id, c.work_item_id, c.wire, c.claim_token, c.claimed_at, c.deliveries
                   FROM c ORDER BY c.o;
             GET DIAGNOSTICS v_rows = ROW_COUNT;
-            v_claimed := v_rows;
-        END IF;
+            v_claimed := v_claimed + v_rows;
+            -- (fewer rows than picked is never expected: each was picked under its tenant's lock)
+            EXIT WHEN v_rows < v_n OR v_claimed >= p_max;
+        END LOOP;
     END IF;
     WHILE v_claimed < p_max LOOP
         v_id := NULL;
