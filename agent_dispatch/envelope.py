@@ -55,6 +55,12 @@ def _mac(key: bytes, body: bytes) -> str:
     return base64.urlsafe_b64encode(hmac.new(key, body, hashlib.sha256).digest()).decode().rstrip("=")
 
 
+#: How :func:`seal` lays a wire out around the signed bytes (the signature is base64url: no quote).
+_WIRE_HEAD: Final = b'{"v":%d,"env":' % WIRE_VERSION
+_WIRE_SIG: Final = b',"sig":"'
+_WIRE_TAIL: Final = b'"}'
+
+
 def seal(envelope: AgentTurnEnvelope, key: bytes) -> bytes:
     """Wire bytes: ``{"v":1,"env":{...},"sig":...}`` with the HMAC over the canonical envelope."""
     body = _canonical(envelope)
@@ -64,12 +70,35 @@ def seal(envelope: AgentTurnEnvelope, key: bytes) -> bytes:
     return wire
 
 
+def _as_sealed(wire: bytes, key: bytes) -> AgentTurnEnvelope | None:
+    """The envelope of a wire laid out exactly as :func:`seal` writes it, verified over the very
+    bytes it carries (no re-encoding: that was a tenth of a worker's CPU); None for anything else,
+    which :func:`open_envelope` then takes apart field by field to say what is wrong with it."""
+    if not (wire.startswith(_WIRE_HEAD) and wire.endswith(_WIRE_TAIL)):
+        return None
+    cut = wire.rfind(_WIRE_SIG)
+    if cut < len(_WIRE_HEAD):
+        return None
+    body, signature = wire[len(_WIRE_HEAD) : cut], wire[cut + len(_WIRE_SIG) : -len(_WIRE_TAIL)]
+    if not hmac.compare_digest(signature, _mac(key, body).encode()):
+        return None
+    try:
+        # The same parse and the same strict validation as below, of bytes the key signed.
+        fields = json.loads(body)
+        return AgentTurnEnvelope.model_validate(fields) if isinstance(fields, dict) else None
+    except (ValueError, ValidationError):
+        return None
+
+
 def open_envelope(wire: bytes, key: bytes) -> AgentTurnEnvelope:
     """Verify and parse; every way of being wrong raises :class:`PoisonEnvelope` with a reason."""
     if not isinstance(wire, bytes | bytearray | memoryview):
         raise PoisonEnvelope("envelope is not bytes")
     if len(wire) > MAX_ENVELOPE_BYTES:
         raise PoisonEnvelope(f"envelope is {len(wire)} bytes; the limit is {MAX_ENVELOPE_BYTES}")
+    sealed = _as_sealed(bytes(wire), key)
+    if sealed is not None:
+        return sealed
     try:
         outer: Any = json.loads(bytes(wire))
     except (ValueError, UnicodeDecodeError) as exc:
