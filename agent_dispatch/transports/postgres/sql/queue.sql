@@ -205,6 +205,11 @@ BEGIN
                        AND q.priority = p.priority AND q.state = 'r'
                      ORDER BY q.deadline, q.enqueued_at, q.id
                      LIMIT 1) r ON true;
+            IF a_tenants IS NULL THEN
+                -- No lane has ready rows whose tenant is free: the loop's pick would find none
+                -- either (an empty claim, the most common kind with many claimers, stops here).
+                RETURN;
+            END IF;
             v_n := 0;
             WHILE v_n < coalesce(cardinality(a_tenants), 0)
                   AND a_prios[v_n + 1] = a_prios[1]
