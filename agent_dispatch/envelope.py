@@ -64,7 +64,7 @@ _WIRE_TAIL: Final = b'"}'
 def seal(envelope: AgentTurnEnvelope, key: bytes) -> bytes:
     """Wire bytes: ``{"v":1,"env":{...},"sig":...}`` with the HMAC over the canonical envelope."""
     body = _canonical(envelope)
-    wire = b'{"v":%d,"env":%s,"sig":"%s"}' % (WIRE_VERSION, body, _mac(key, body).encode())
+    wire = _WIRE_HEAD + body + _WIRE_SIG + _mac(key, body).encode() + _WIRE_TAIL
     if len(wire) > MAX_ENVELOPE_BYTES:
         raise PoisonEnvelope(f"envelope is {len(wire)} bytes; the limit is {MAX_ENVELOPE_BYTES}")
     return wire
@@ -96,11 +96,12 @@ def open_envelope(wire: bytes, key: bytes) -> AgentTurnEnvelope:
         raise PoisonEnvelope("envelope is not bytes")
     if len(wire) > MAX_ENVELOPE_BYTES:
         raise PoisonEnvelope(f"envelope is {len(wire)} bytes; the limit is {MAX_ENVELOPE_BYTES}")
-    sealed = _as_sealed(bytes(wire), key)
+    data = bytes(wire)
+    sealed = _as_sealed(data, key)
     if sealed is not None:
         return sealed
     try:
-        outer: Any = json.loads(bytes(wire))
+        outer: Any = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise PoisonEnvelope(f"malformed envelope: {type(exc).__name__}") from None
     if not isinstance(outer, dict) or set(outer) != {"v", "env", "sig"}:
