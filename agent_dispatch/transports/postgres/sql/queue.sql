@@ -211,7 +211,7 @@ BEGIN
                 RETURN;
             END IF;
             v_n := 0;
-            WHILE v_n < coalesce(cardinality(a_tenants), 0)
+            WHILE v_n < cardinality(a_tenants)
                   AND a_prios[v_n + 1] = a_prios[1]
                   AND a_lane_served[v_n + 1] = a_served[v_n + 1]
                   AND a_gl_served[v_n + 1] = a_g_served[v_n + 1]
