@@ -247,24 +247,42 @@ def test_scheduling_columns_hold_opaque_references(transport: PostgresTransport,
         other.close()
 
 
-def test_batches_larger_than_the_tenant_count_follow_the_reference_order(
-    transport: PostgresTransport, postgres_dsn: str
-) -> None:
-    """Claims of 16 over 30 tenants at two priorities: each call's first round is one statement."""
+def claim_in_batches(
+    transport: PostgresTransport,
+    postgres_dsn: str,
+    shapes: list[tuple[str, str, int]],
+    *,
+    max_items: int,
+    acked: slice,
+) -> tuple[list[str], list[str], list[int]]:
+    """Admit one turn per (tenant, group, priority) shape, one at a time, then claim batches of
+    ``max_items`` (acknowledging the ``acked`` part of each) until none is left: the reference
+    order, the claimed order and the batch sizes."""
     reset(postgres_dsn)
     reference = Reference()
     rows: list[Row] = []
-    for idx in range(240):
-        tenant, group, priority = f"tenant-{idx * 7 % 30}", f"g{idx % 3}", 1 if idx % 5 == 0 else 0
+    for idx, (tenant, group, priority) in enumerate(shapes):
         sent = outbound(tenant, group, priority=priority)
         transport.admit([sent])
         reference.arrive(tenant, group)
         rows.append(Row(idx, tenant, group, priority, None, False, sent.work_item_id))
-    expected = reference.order(rows)
     claimed: list[str] = []
-    while got := transport.claim("worker", max_items=16):
+    sizes: list[int] = []
+    while got := transport.claim("worker", max_items=max_items):
+        sizes.append(len(got))
         claimed += [d.work_item_id for d in got]
-        transport.ack_many([d.receipt for d in got[1::2]])
+        transport.ack_many([d.receipt for d in got[acked]])
+    return reference.order(rows), claimed, sizes
+
+
+def test_batches_larger_than_the_tenant_count_follow_the_reference_order(
+    transport: PostgresTransport, postgres_dsn: str
+) -> None:
+    """Claims of 16 over 30 tenants at two priorities: each call's first round is one statement."""
+    shapes = [(f"tenant-{i * 7 % 30}", f"g{i % 3}", 1 if i % 5 == 0 else 0) for i in range(240)]
+    expected, claimed, _ = claim_in_batches(
+        transport, postgres_dsn, shapes, max_items=16, acked=slice(1, None, 2)
+    )
     assert claimed == expected
 
 
@@ -273,21 +291,9 @@ def test_batches_larger_than_the_free_tenants_take_whole_rounds_in_the_reference
 ) -> None:
     """Claims of 50 over 6 tenants, 3 groups and two priorities: a call takes several rounds, each
     one row of every tenant in lane order, and the result is still the reference order."""
-    reset(postgres_dsn)
-    reference = Reference()
-    rows: list[Row] = []
-    for idx in range(300):
-        tenant, group, priority = f"tenant-{idx * 5 % 6}", f"g{idx % 3}", 1 if idx % 7 == 0 else 0
-        sent = outbound(tenant, group, priority=priority)
-        transport.admit([sent])
-        reference.arrive(tenant, group)
-        rows.append(Row(idx, tenant, group, priority, None, False, sent.work_item_id))
-    expected = reference.order(rows)
-    claimed: list[str] = []
-    sizes = []
-    while got := transport.claim("worker", max_items=50):
-        sizes.append(len(got))
-        claimed += [d.work_item_id for d in got]
-        transport.ack_many([d.receipt for d in got[::3]])
+    shapes = [(f"tenant-{i * 5 % 6}", f"g{i % 3}", 1 if i % 7 == 0 else 0) for i in range(300)]
+    expected, claimed, sizes = claim_in_batches(
+        transport, postgres_dsn, shapes, max_items=50, acked=slice(None, None, 3)
+    )
     assert claimed == expected
     assert sizes[:5] == [50] * 5
