@@ -49,6 +49,9 @@ class ThreadConnections:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
+        # A statement that fires a trigger or maintains a partial index keeps a statement journal;
+        # in a temporary file (the default) that cost 200-300 us per lifecycle UPDATE, in memory 30 us.
+        conn.execute("PRAGMA temp_store=MEMORY")
         self._local.conn = conn
         with self._lock:
             self._all.append(conn)

@@ -49,8 +49,12 @@ class EngineStore(InspectCalls, FencedCalls):
         with self._write() as tx:
             return self._submit_tx(tx, prepared)
 
-    def _submit_tx(self, tx: Tx, prepared: Prepared) -> SubmitResult:
-        # The whole submit inside the caller's write transaction (also used by submit_in_transaction).
+    def _submit_tx(self, tx: Tx, prepared: Prepared, *, dispatched: bool = False) -> SubmitResult:
+        """The whole submit inside the caller's write transaction (also used by submit_in_transaction).
+
+        ``dispatched``: the caller admits a created ``ready`` item in this same transaction, so it
+        is stored with its dispatch time (one write, not an insert and then a stamp).
+        """
         existing = tx.load(prepared.id)
         if existing is None and prepared.idempotency_key is not None:
             existing = tx.load_by_key(prepared.tenant, prepared.idempotency_key)
@@ -93,7 +97,7 @@ class EngineStore(InspectCalls, FencedCalls):
             payload_digest=prepared.digest,
             commit_token=None,
             pending_deps=pending,
-            last_dispatched_at=None,
+            last_dispatched_at=tx.now if dispatched and not pending else None,
         )
         tx.insert(row, prepared.payload)
         tx.link(row.id, prepared.depends_on)

@@ -58,8 +58,11 @@ class EngineBase(StoreCalls):
 
     # --- shared transitions ------------------------------------------------------------------------
 
-    def _take(self, tx: Tx, row: Row, owner: str, ttl: float) -> Lease | None:
-        """Lease ``row``, or dead-letter it when another attempt would exceed its maximum."""
+    def _take(self, tx: Tx, row: Row, owner: str, ttl: float, *, running: bool = False) -> Lease | None:
+        """Lease ``row``, or dead-letter it when another attempt would exceed its maximum.
+
+        ``running``: lease and start it in one write (``start_many``); both events are recorded.
+        """
         if row.attempt >= row.max_attempts:
             row.state = WorkState.DEAD_LETTER
             row.outcome = Outcome.FAILED
@@ -71,7 +74,7 @@ class EngineBase(StoreCalls):
             self._cascade(tx, row)
             return None
         previous = row.lease_owner if row.state in LEASED_STATES else None
-        row.state = WorkState.LEASED
+        row.state = WorkState.RUNNING if running else WorkState.LEASED
         row.attempt += 1
         row.lease_epoch += 1
         row.fencing_token = tx.next_token()
@@ -83,6 +86,8 @@ class EngineBase(StoreCalls):
         tx.save(row)
         detail = None if previous is None else f"reclaimed an expired lease held by {previous}"
         self._event(tx, row, Event.CLAIM, detail=detail)
+        if running:
+            self._event(tx, row, Event.RUNNING)
         return make_lease(row.record())
 
     def _fenced(self, tx: Tx, lease: Lease, row: Row | None = None) -> Row:

@@ -64,12 +64,12 @@ class FencedCalls(EngineBase):
                 overdue = row.deadline is not None and row.deadline <= tx.now
                 if not startable(view_of(row.record(), now=tx.now), tenant, overdue=overdue):
                     continue
-                lease = self._take(tx, row, owner, ttl)  # attempts are left: it leases, never dead-letters
+                # Attempts are left (startable): it leases, never dead-letters.
+                lease = self._take(tx, row, owner, ttl, running=True)
                 assert lease is not None
-                self._run_row(tx, row)
                 payload = tx.payload(work_item_id)
                 assert payload is not None
-                started[work_item_id] = StartedTurn(make_lease(row.record()), payload)
+                started[work_item_id] = StartedTurn(lease, payload)
         return started
 
     # --- fenced calls ------------------------------------------------------------------------------

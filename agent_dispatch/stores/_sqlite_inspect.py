@@ -34,6 +34,9 @@ class SqliteInspectTx:
     def _rows(self, sql: str, params: Sequence[Any]) -> list[Row]:
         raise NotImplementedError
 
+    def flush_outcomes(self) -> None:
+        """Write the outcome records appended so far in this transaction."""
+
     def browse(self, page: Listing) -> list[Row]:
         tenant, states = page.tenant, page.states
         where: list[str] = []
@@ -59,6 +62,7 @@ class SqliteInspectTx:
         self, after: str, limit: int, tenants: list[str] | None
     ) -> list[tuple[str, int, int, int, float | None, float | None]]:
         # A local store is small: its rows are counted (PostgreSQL keeps counters instead).
+        self.flush_outcomes()
         scope, params = "", [after]
         if tenants is not None:
             scope = f" AND tenant IN ({', '.join('?' * len(tenants))})"
@@ -96,6 +100,7 @@ class SqliteInspectTx:
         )
 
     def events_after(self, seq: int, limit: int) -> list[tuple[int, OutcomeRecord]]:
+        self.flush_outcomes()
         if seq < 0:
             sql = f"SELECT seq, {OUTCOME_SELECT} FROM {OUTCOMES} ORDER BY seq DESC LIMIT 1"
             rows = self.conn.execute(sql).fetchall()

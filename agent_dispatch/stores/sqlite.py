@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import sqlite3
@@ -80,7 +81,9 @@ _COLUMNS: Final = ", ".join(ROW_FIELDS)
 _INSERT_FIELDS: Final = tuple(f for f in ROW_FIELDS if f != "seq")
 _INSERT: Final = f"INSERT INTO {T} ({', '.join(_INSERT_FIELDS)}, payload) VALUES ({', '.join('?' * (len(_INSERT_FIELDS) + 1))})"
 _UPDATE_FIELDS: Final = tuple(f for f in ROW_FIELDS if f not in {"seq", "id"})
-_UPDATE: Final = f"UPDATE {T} SET {', '.join(f'{f} = ?' for f in _UPDATE_FIELDS)} WHERE id = ?"
+#: Where each of ``_UPDATE_FIELDS`` sits in a row read as ``SELECT {_COLUMNS}``.
+_UPDATE_POSITIONS: Final = tuple(ROW_FIELDS.index(f) for f in _UPDATE_FIELDS)
+_DISPATCHED_AT: Final = _UPDATE_FIELDS.index("last_dispatched_at")
 _CLAIMABLE: Final = (
     "state IN ('ready', 'leased', 'running') AND CASE WHEN state = 'ready' THEN coalesce(not_before <= :now, 1)"
     " ELSE lease_expires_at <= :now END"
@@ -93,6 +96,12 @@ def _to_db(name: str, value: Any) -> Any:
     if name in {"state", "outcome"} and value is not None:
         return str(value.value)
     return value
+
+
+@functools.cache
+def _update_sql(columns: tuple[str, ...]) -> str:
+    # A few shapes exist (one per lifecycle step), so the cache and sqlite3's statement cache stay small.
+    return f"UPDATE {T} SET {', '.join(f'{c} = ?' for c in columns)} WHERE id = ?"
 
 
 def _row(rec: sqlite3.Row) -> Row:
@@ -115,9 +124,20 @@ class _SqliteTx(SqliteInspectTx):
     def __init__(self, conn: sqlite3.Connection, now: float) -> None:
         self.conn = conn
         self.now = now
+        # The stored values (``_UPDATE_FIELDS`` order) of each row this transaction read or wrote,
+        # so ``save`` writes only the columns that changed: SQLite rewrites every index that has
+        # a column in an UPDATE's SET list (or its WHERE clause), changed or not, and a full-row
+        # SET wrote all eight indexes of the table on every lifecycle step.
+        self._stored: dict[str, list[Any]] = {}
+        self._appended: list[tuple[Any, ...]] = []
 
     def _rows(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> list[Row]:
-        return [_row(rec) for rec in self.conn.execute(sql, params).fetchall()]
+        rows = []
+        for rec in self.conn.execute(sql, params).fetchall():
+            row = _row(rec)
+            self._stored[row.id] = [rec[i] for i in _UPDATE_POSITIONS]
+            rows.append(row)
+        return rows
 
     def unfinished(self) -> int:
         return _unfinished(self.conn)
@@ -140,7 +160,17 @@ class _SqliteTx(SqliteInspectTx):
 
     def save(self, row: Row) -> None:
         values = [_to_db(name, getattr(row, name)) for name in _UPDATE_FIELDS]
-        self.conn.execute(_UPDATE, [*values, row.id])
+        stored = self._stored.get(row.id)
+        if stored is None:
+            changed = list(range(len(values)))
+        else:
+            changed = [i for i, (new, old) in enumerate(zip(values, stored, strict=True)) if new != old]
+            if not changed:
+                return
+        self.conn.execute(
+            _update_sql(tuple(_UPDATE_FIELDS[i] for i in changed)), [*(values[i] for i in changed), row.id]
+        )
+        self._stored[row.id] = values
 
     def link(self, dependent: str, dependencies: Sequence[str]) -> None:
         self.conn.executemany(
@@ -189,6 +219,10 @@ class _SqliteTx(SqliteInspectTx):
         self.conn.executemany(
             f"UPDATE {T} SET last_dispatched_at = ? WHERE id = ?", [(self.now, i) for i in work_item_ids]
         )
+        for work_item_id in work_item_ids:
+            stored = self._stored.get(work_item_id)
+            if stored is not None:
+                stored[_DISPATCHED_AT] = self.now
 
     def next_token(self) -> int:
         rec = self.conn.execute(
@@ -197,8 +231,8 @@ class _SqliteTx(SqliteInspectTx):
         return int(rec[0])
 
     def append(self, record: OutcomeRecord) -> None:
-        self.conn.execute(
-            f"INSERT INTO {OUTCOMES} ({OUTCOME_SELECT}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        # Written in one executemany before the transaction commits (or anything reads them back).
+        self._appended.append(
             (
                 record.work_item_id,
                 record.tenant,
@@ -209,10 +243,19 @@ class _SqliteTx(SqliteInspectTx):
                 record.at.timestamp(),
                 record.outcome,
                 record.detail,
-            ),
+            )
         )
 
+    def flush_outcomes(self) -> None:
+        if self._appended:
+            self.conn.executemany(
+                f"INSERT INTO {OUTCOMES} ({OUTCOME_SELECT}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                self._appended,
+            )
+            self._appended.clear()
+
     def outcomes(self, work_item_id: str) -> list[OutcomeRecord]:
+        self.flush_outcomes()
         rows = self.conn.execute(
             f"SELECT {OUTCOME_SELECT} FROM {OUTCOMES} WHERE work_item_id = ? ORDER BY seq", (work_item_id,)
         ).fetchall()
@@ -273,7 +316,9 @@ class SqliteStore(EngineStore):
             require(self._db.get(), self.schema)
             self._schema_ok = True
         with self._db.transaction(begin) as conn:
-            yield _SqliteTx(conn, self._db.now(conn) + self._clock_offset_s)
+            tx = _SqliteTx(conn, self._db.now(conn) + self._clock_offset_s)
+            yield tx
+            tx.flush_outcomes()
 
     def _write(self) -> contextlib.AbstractContextManager[_SqliteTx]:
         return self._transaction("BEGIN IMMEDIATE")
@@ -323,11 +368,9 @@ class SqliteStore(EngineStore):
         """
         prepared = prepare_submit(request, self.limits)
         with self._write() as tx:
-            result = self._submit_tx(tx, prepared)
+            result = self._submit_tx(tx, prepared, dispatched=dispatched)
             if result.created:
                 then(tx.conn, result.item)
-                if dispatched and result.item.state is WorkState.READY:
-                    tx.touch_dispatched([result.item.id])
             return result
 
     def submit_many_in_transaction(
@@ -349,7 +392,8 @@ class SqliteStore(EngineStore):
             created: list[WorkItem] = []
             for index, item in prepared:
                 try:
-                    result = self._submit_tx(tx, item)  # a refusal is decided before any write
+                    # A refusal is decided before any write.
+                    result = self._submit_tx(tx, item, dispatched=dispatched)
                 except DispatchError as exc:
                     outcomes[index] = exc
                     continue
@@ -357,8 +401,6 @@ class SqliteStore(EngineStore):
                 if result.created:
                     created.append(result.item)
             then(tx.conn, created)
-            if dispatched:
-                tx.touch_dispatched([item.id for item in created if item.state is WorkState.READY])
         return [outcomes[i] for i in range(len(requests))]
 
     def commit_in_transaction(
