@@ -41,7 +41,8 @@ from agent_dispatch.models import (
 )
 from agent_dispatch.settings import Settings
 from agent_dispatch.settings import load as load_settings
-from agent_dispatch.store import SCHEMA_VERSION
+from agent_dispatch.store import SCHEMA_VERSION, StartedTurn
+from agent_dispatch.stores import _sqlite_batch
 from agent_dispatch.stores._common import (
     COMPONENT,
     MIGRATE_HINT,
@@ -420,6 +421,16 @@ class SqliteStore(EngineStore):
             dispatch_released(partial(_savepoint, tx.conn), then, tx.conn, released, tx.touch_dispatched)
 
         return self._commit(lease, Outcome(outcome), error, in_commit)
+
+    # --- a worker's batch, in set statements (see _sqlite_batch) ------------------------------------
+
+    def _start_many(self, owner: str, wanted: list[tuple[str, str]], ttl: float) -> dict[str, StartedTurn]:
+        with self._write() as tx:
+            return _sqlite_batch.start_many(tx, owner, wanted, ttl)
+
+    def _commit_many(self, wanted: list[tuple[Lease, Outcome, str | None]]) -> dict[str, WorkItem]:
+        with self._write() as tx:
+            return _sqlite_batch.commit_many(tx, wanted)
 
     # --- leader election ---------------------------------------------------------------------------------
 
