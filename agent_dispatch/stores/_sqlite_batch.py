@@ -1,4 +1,5 @@
-"""The SQLite store's ``start_many`` and ``commit_many``: a worker's batch in a few statements.
+"""The SQLite store's batch calls in a few set statements: a submitter's batch of new items, and
+a worker's ``start_many`` and ``commit_many``.
 
 The engine's way (:mod:`agent_dispatch.stores._engine_fenced`) reads, checks and writes each item
 alone; on SQLite that work runs under the file's only write lock, which the submitter and every
@@ -15,9 +16,9 @@ import sqlite3
 from typing import Any, Final, Protocol
 
 from agent_dispatch.db import sql
-from agent_dispatch.models import Lease, Outcome, OutcomeRecord, WorkItem
+from agent_dispatch.models import Lease, Outcome, OutcomeRecord, WorkItem, WorkState
 from agent_dispatch.store import StartedTurn, bound_error
-from agent_dispatch.stores._common import COMMIT_STATE, Event, make_item, require_dt
+from agent_dispatch.stores._common import COMMIT_STATE, Event, Prepared, make_item, require_dt, to_ts
 from agent_dispatch.stores._engine_rows import ROW_FIELDS, Row
 
 _SQL: Final = sql.load(__package__ or "agent_dispatch.stores", "sql/sqlite_batch.sql")
@@ -52,6 +53,78 @@ def _record(
             detail=bound_error(detail),
         )
     )
+
+
+def insert_new(tx: BatchTx, batch: list[Prepared], *, dispatched: bool) -> list[WorkItem] | None:
+    """Store ``batch`` (requests without dependencies) as new ready items, in order; or write
+    nothing and return ``None`` when any of them names an item that exists or another of the batch:
+    the engine then answers each request alone (a repeat, or a conflict)."""
+    ids = [p.id for p in batch]
+    keys = [(p.tenant, p.idempotency_key) for p in batch if p.idempotency_key is not None]
+    if len(set(ids)) != len(ids) or len(set(keys)) != len(keys):
+        return None
+    if tx.conn.execute(_SQL["any_existing"], {"ids": json.dumps(ids), "keys": json.dumps(keys)}).fetchone():
+        return None
+    now = tx.now
+    dispatched_at = now if dispatched else None
+    tx.conn.executemany(
+        _SQL["insert_new"],
+        [
+            (
+                p.id,
+                p.tenant,
+                p.kind,
+                p.queue,
+                p.session_id,
+                p.priority,
+                to_ts(p.deadline),
+                p.max_attempts,
+                p.idempotency_key,
+                p.fairness_group,
+                p.payload,
+                len(p.payload),
+                p.digest,
+                now,
+                now,
+                dispatched_at,
+            )
+            for p in batch
+        ],
+    )
+    at = require_dt(now)
+    items = []
+    for p in batch:
+        tx.append(OutcomeRecord(p.id, p.tenant, Event.SUBMIT.value, None, 0, 0, at))
+        items.append(
+            make_item(
+                {
+                    "id": p.id,
+                    "tenant": p.tenant,
+                    "kind": p.kind,
+                    "queue": p.queue,
+                    "session_id": p.session_id,
+                    "state": WorkState.READY,
+                    "priority": p.priority,
+                    "deadline": to_ts(p.deadline),
+                    "attempt": 0,
+                    "max_attempts": p.max_attempts,
+                    "lease_epoch": 0,
+                    "fencing_token": 0,
+                    "lease_owner": None,
+                    "lease_expires_at": None,
+                    "not_before": None,
+                    "idempotency_key": p.idempotency_key,
+                    "depends_on": (),
+                    "created_at": now,
+                    "updated_at": now,
+                    "fairness_group": p.fairness_group,
+                    "outcome": None,
+                    "error": None,
+                    "payload_size": len(p.payload),
+                }
+            )
+        )
+    return items
 
 
 def start_many(tx: BatchTx, owner: str, wanted: list[tuple[str, str]], ttl: float) -> dict[str, StartedTurn]:

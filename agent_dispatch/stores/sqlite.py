@@ -390,17 +390,25 @@ class SqliteStore(EngineStore):
         prepared, refused = prepare_batch(requests, self.limits)
         outcomes: dict[int, SubmitResult | DispatchError] = dict(refused)
         with self._write() as tx:
-            created: list[WorkItem] = []
-            for index, item in prepared:
-                try:
-                    # A refusal is decided before any write.
-                    result = self._submit_tx(tx, item, dispatched=dispatched)
-                except DispatchError as exc:
-                    outcomes[index] = exc
-                    continue
-                outcomes[index] = result
-                if result.created:
-                    created.append(result.item)
+            new = _sqlite_batch.insert_new(tx, [item for _, item in prepared], dispatched=dispatched)
+            if new is not None:
+                created = new
+                outcomes.update(
+                    (index, SubmitResult(item, created=True))
+                    for (index, _), item in zip(prepared, new, strict=True)
+                )
+            else:
+                created = []
+                for index, item in prepared:
+                    try:
+                        # A refusal is decided before any write.
+                        result = self._submit_tx(tx, item, dispatched=dispatched)
+                    except DispatchError as exc:
+                        outcomes[index] = exc
+                        continue
+                    outcomes[index] = result
+                    if result.created:
+                        created.append(result.item)
             then(tx.conn, created)
         return [outcomes[i] for i in range(len(requests))]
 

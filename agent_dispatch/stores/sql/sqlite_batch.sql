@@ -53,3 +53,19 @@ RETURNING {columns}
 -- name: take_tokens
 -- :n fencing tokens at once: the caller numbers them from the returned value - :n + 1 up.
 UPDATE agent_dispatch_counters SET value = value + :n WHERE name = 'fencing_token' RETURNING value
+
+-- name: any_existing
+-- Whether any of the ids :ids or [tenant, idempotency key] pairs :keys is taken already.
+SELECT 1 FROM json_each(:ids) AS i JOIN agent_dispatch_work_items AS w ON w.id = i.value
+UNION ALL
+SELECT 1 FROM json_each(:keys) AS k JOIN agent_dispatch_work_items AS w
+    ON w.tenant = json_extract(k.value, '$[0]') AND w.idempotency_key = json_extract(k.value, '$[1]')
+LIMIT 1
+
+-- name: insert_new
+-- A new item without dependencies: ready, no attempt yet, no lease (the other columns stay NULL).
+INSERT INTO agent_dispatch_work_items (
+    id, tenant, kind, queue, session_id, state, priority, deadline, attempt, max_attempts,
+    lease_epoch, fencing_token, idempotency_key, depends_on, pending_deps, fairness_group,
+    payload, payload_size, payload_digest, created_at, updated_at, last_dispatched_at
+) VALUES (?, ?, ?, ?, ?, 'ready', ?, ?, 0, ?, 0, 0, ?, '[]', 0, ?, ?, ?, ?, ?, ?, ?)
