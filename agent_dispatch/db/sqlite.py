@@ -52,6 +52,10 @@ class ThreadConnections:
         # A statement that fires a trigger or maintains a partial index keeps a statement journal;
         # in a temporary file (the default) that cost 200-300 us per lifecycle UPDATE, in memory 30 us.
         conn.execute("PRAGMA temp_store=MEMORY")
+        # Checkpoint every 10,000 WAL pages (40 MB) rather than SQLite's 1,000: the hot pages (the
+        # counters, the queue's head, index leaves) are copied back once per checkpoint, not once
+        # per handful of batches. A worker's COMMIT went from 550 to 355 us on average.
+        conn.execute("PRAGMA wal_autocheckpoint=10000")
         self._local.conn = conn
         with self._lock:
             self._all.append(conn)

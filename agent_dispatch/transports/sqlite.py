@@ -4,8 +4,8 @@ The file lives in the XDG data directory (``settings.sqlite_path``) in WAL mode.
 runs under ``BEGIN IMMEDIATE`` (SQLite's single writer lock taken up front), so:
 
 - admission is compare-and-admit on a counter row, atomic and O(1) (never ``COUNT(*)``);
-- a claim marks each row it takes with the claimer's owner and a fresh token in the same
-  transaction that chose it, so concurrent worker threads always get different rows; no thread
+- a claim marks the rows it takes with the claimer's owner and a fresh token in the same
+  transaction that chose them, so concurrent worker threads always get different rows; no thread
   reads a shared head row that another may also be taking;
 - a receipt names the row, the owner and the per-claim token: once the visibility timeout has
   handed the row to another worker, the old receipt can neither acknowledge nor release it.
@@ -18,6 +18,7 @@ Fairness across tenants is the PostgreSQL transport's job; local runs have one u
 
 from __future__ import annotations
 
+import json
 import secrets
 import sqlite3
 import threading
@@ -55,6 +56,17 @@ _EXPIRED: Final = (
     f" WHERE deadline_key <= :now AND visible_at <= :now {_ORDER} LIMIT :n"
 )
 _NEXT: Final = f"SELECT id FROM {QUEUE} WHERE visible_at <= :now {_ORDER} LIMIT :n"
+# A claim's rows (a JSON array of ids) under one fresh token; a batch of acknowledgements, each
+# [id, owner, token], deleting only rows still held under exactly that claim.
+_TAKE: Final = (
+    f"UPDATE {QUEUE} SET claim_owner = ?, claim_token = ?, visible_at = ?, deliveries = deliveries + 1"
+    " WHERE id IN (SELECT value FROM json_each(?)) RETURNING id, work_item_id, wire, deliveries"
+)
+_ACK: Final = (
+    f"DELETE FROM {QUEUE} WHERE (id, claim_owner, claim_token) IN (SELECT json_extract(value, '$[0]'),"
+    " json_extract(value, '$[1]'), json_extract(value, '$[2]') FROM json_each(?))"
+    " RETURNING id, claim_owner, claim_token"
+)
 
 
 def _parse(token: str) -> tuple[int, str] | None:
@@ -206,13 +218,11 @@ class SqliteTransport:
             if len(ids) < max_items:
                 more = conn.execute(_NEXT, {"now": now, "n": max_items + len(ids)})
                 ids += [row[0] for row in more if row[0] not in ids][: max_items - len(ids)]
+            token = secrets.token_hex(16)
+            params = (owner, token, now + self.visibility_timeout_s, json.dumps(ids))
+            taken = {rec[0]: rec[1:] for rec in conn.execute(_TAKE, params)}
             for row_id in ids:
-                token = secrets.token_hex(16)
-                work_item_id, wire, deliveries = conn.execute(
-                    f"UPDATE {QUEUE} SET claim_owner = ?, claim_token = ?, visible_at = ?,"
-                    " deliveries = deliveries + 1 WHERE id = ? RETURNING work_item_id, wire, deliveries",
-                    (owner, token, now + self.visibility_timeout_s, row_id),
-                ).fetchone()
+                work_item_id, wire, deliveries = taken[row_id]
                 out.append(
                     Delivery(
                         wire=bytes(wire),
@@ -231,20 +241,20 @@ class SqliteTransport:
         """Acknowledge a batch in one transaction; returns the receipts refused as stale or foreign."""
         self.ensure_ready()
         refused: list[Receipt] = []
+        held: list[tuple[int, str, str] | None] = []
+        for receipt in receipts:
+            parsed = _parse(receipt.token)
+            held.append(None if parsed is None else (parsed[0], receipt.owner, parsed[1]))
         with self._db.transaction() as conn:
+            wanted = json.dumps([h for h in held if h is not None])
+            deleted = set(conn.execute(_ACK, (wanted,)).fetchall())
             acked = 0
-            for receipt in receipts:
-                parsed = _parse(receipt.token)
-                cur = None
-                if parsed is not None:
-                    cur = conn.execute(
-                        f"DELETE FROM {QUEUE} WHERE id = ? AND claim_owner = ? AND claim_token = ?",
-                        (parsed[0], receipt.owner, parsed[1]),
-                    )
-                if cur is None or cur.rowcount != 1:
-                    refused.append(receipt)
-                else:
+            for receipt, claim in zip(receipts, held, strict=True):
+                if claim is not None and claim in deleted:
+                    deleted.discard(claim)  # a receipt given twice acknowledges once
                     acked += 1
+                else:
+                    refused.append(receipt)
             if acked:
                 conn.execute(f"UPDATE {DEPTH} SET depth = depth - ? WHERE singleton = 1", (acked,))
         return refused
