@@ -83,6 +83,16 @@ class SubmitRequest:
     max_attempts: int | None = None
     fairness_group: str | None = None
 
+    @property
+    def known_id(self) -> str | None:
+        """The item's id before any store sees the request: the explicit one, else the one the
+        idempotency key determines; ``None`` when the store gives the item a new one."""
+        if self.work_item_id is not None:
+            return self.work_item_id
+        if self.idempotency_key is not None:
+            return deterministic_id(self.tenant, self.idempotency_key)
+        return None
+
 
 @dataclass(frozen=True)
 class WorkItem:

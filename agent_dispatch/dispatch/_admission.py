@@ -26,10 +26,12 @@ from agent_dispatch.dispatch._turns import (
     check_envelope_fields,
     mark_dispatched,
     precheck,
+    presealed_turns,
     replay_or_raise,
     sealable,
     settled,
     submit_each,
+    turn_of,
 )
 from agent_dispatch.errors import DispatchError, QueueFull
 from agent_dispatch.models import SubmitRequest, SubmitResult, WorkItem
@@ -178,9 +180,12 @@ class OneTransaction(_Strategy):
         """
         outcomes: list[SubmitResult | DispatchError | None] = [None] * len(requests)
         valid = sealable(requests, outcomes)
+        presealed = presealed_turns([requests[i] for i in valid], signing_key=self.signing_key)
 
         def admit_all(conn: Any, items: list[WorkItem]) -> None:
-            turns = self._turns([item for item in items if admittable(item)])
+            turns = [
+                turn_of(item, presealed, signing_key=self.signing_key) for item in items if admittable(item)
+            ]
             if turns:
                 self._queue.admit_on(conn, turns, bounded=True)
             self._admit_unfinished(conn, items)

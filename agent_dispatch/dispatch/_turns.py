@@ -19,7 +19,7 @@ from agent_dispatch.errors import (
     InvalidRequest,
     QueueFull,
 )
-from agent_dispatch.models import SubmitRequest, SubmitResult, WorkItem, WorkState, deterministic_id
+from agent_dispatch.models import SubmitRequest, SubmitResult, WorkItem, WorkState
 from agent_dispatch.settings import Settings
 from agent_dispatch.store import BatchSubmit, WorkItemStore, bound_error
 from agent_dispatch.transport import OutboundTurn, Transport
@@ -40,27 +40,77 @@ def _ts(value: datetime | None) -> float | None:
 
 def build_turn(item: WorkItem, *, signing_key: bytes) -> OutboundTurn:
     """The sealed envelope of ``item`` (references only: the body stays in the store)."""
+    return _sealed_turn(
+        item, item.id, item.session_id, item.attempt, _ts(item.not_before), signing_key=signing_key
+    )
+
+
+def _sealed_turn(
+    item: WorkItem | SubmitRequest,
+    item_id: str,
+    session_id: str,
+    attempt: int,
+    not_before: float | None,
+    *,
+    signing_key: bytes,
+) -> OutboundTurn:
     envelope = AgentTurnEnvelope(
-        job_id=item.id,
-        session_id=item.session_id,
+        job_id=item_id,
+        session_id=session_id,
         kind=item.kind,
-        payload_ref=item.id,
+        payload_ref=item_id,
         tenant=item.tenant,
         priority=item.priority,
         deadline=_ts(item.deadline),
-        attempt=item.attempt,
+        attempt=attempt,
         enqueued_at=time.time(),
     )
     return OutboundTurn(
-        work_item_id=item.id,
-        session_id=item.session_id,
+        work_item_id=item_id,
+        session_id=session_id,
         tenant=item.tenant,
         wire=seal(envelope, signing_key),
         priority=item.priority,
         deadline=_ts(item.deadline),
         fairness_group=item.fairness_group,
-        not_before=_ts(item.not_before),
+        not_before=not_before,
     )
+
+
+def presealed_turns(requests: Sequence[SubmitRequest], *, signing_key: bytes) -> dict[str, OutboundTurn]:
+    """The turns of the new items ``requests`` would create, sealed before the submit's write
+    transaction (on SQLite it holds the file's only write lock), by item id. Only for requests
+    whose id is known up front and that no other request of the batch names."""
+    by_id: dict[str, SubmitRequest | None] = {}
+    for request in requests:
+        item_id = request.known_id
+        if item_id is not None:
+            by_id[item_id] = None if item_id in by_id else request
+    return {
+        item_id: _sealed_turn(
+            request, item_id, request.session_id or item_id, 0, None, signing_key=signing_key
+        )
+        for item_id, request in by_id.items()
+        if request is not None
+    }
+
+
+def turn_of(item: WorkItem, presealed: dict[str, OutboundTurn], *, signing_key: bytes) -> OutboundTurn:
+    """``item``'s turn: the one sealed for it up front when it is the new item that was sealed for."""
+    turn = presealed.get(item.id)
+    fresh = item.attempt == 0 and item.not_before is None
+    if (
+        turn is None
+        or not fresh
+        or (turn.session_id, turn.priority, turn.deadline)
+        != (
+            item.session_id,
+            item.priority,
+            _ts(item.deadline),
+        )
+    ):
+        return build_turn(item, signing_key=signing_key)
+    return turn
 
 
 def check_envelope_fields(request: SubmitRequest) -> None:
@@ -117,18 +167,9 @@ def settled(outcomes: list[SubmitResult | DispatchError | None]) -> Outcomes:
     return [o for o in outcomes if o is not None]
 
 
-def _existing_id(request: SubmitRequest) -> str | None:
-    """The id a replay of ``request`` would find (None: every such request is new)."""
-    if request.work_item_id is not None:
-        return request.work_item_id
-    if request.idempotency_key is not None:
-        return deterministic_id(request.tenant, request.idempotency_key)
-    return None
-
-
 def replay_or_raise(store: WorkItemStore, request: SubmitRequest, refusal: AdmissionRejected) -> SubmitResult:
     """A refused request that repeats an accepted one gets that item (no admission); else the refusal."""
-    item_id = _existing_id(request)
+    item_id = request.known_id
     if item_id is None:
         raise refusal
     try:

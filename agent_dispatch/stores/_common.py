@@ -33,7 +33,6 @@ from agent_dispatch.models import (
     SubmitRequest,
     WorkItem,
     WorkState,
-    deterministic_id,
     new_id,
 )
 from agent_dispatch.settings import Settings
@@ -209,12 +208,7 @@ def prepare_submit(request: SubmitRequest, limits: Limits) -> Prepared:
         raise InvalidRequest("max_attempts must be between 1 and 1000")
     if request.deadline is not None:
         to_ts(request.deadline)  # rejects naive datetimes
-    if request.work_item_id is not None:
-        item_id = request.work_item_id
-    elif request.idempotency_key is not None:
-        item_id = deterministic_id(request.tenant, request.idempotency_key)
-    else:
-        item_id = new_id()
+    item_id = request.known_id or new_id()
     # Order kept, duplicates dropped: each dependency releases its dependent exactly once.
     depends_on = tuple(dict.fromkeys(request.depends_on))
     if len(depends_on) > MAX_DEPENDENCIES:
