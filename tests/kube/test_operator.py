@@ -453,16 +453,19 @@ def test_kafka_partitions_grow_and_a_decrease_is_refused(
     wait_for(
         lambda: topic_partitions(kafka_bootstrap, kafka_topic_name) == 3, STATUS_WAIT_S, what="topic created"
     )
+    # The reconcile that creates the topic may report TransportReachable=False: a brand-new
+    # topic's first lag probe fails until its partitions have leaders. The status timer's next
+    # probe reports it reachable, with the depth.
     ad = wait_for(
         lambda: (
             (obj := get_ad(kube_api, ns, "stream"))
             and (obj.get("status") or {}).get("partitions") == 3
+            and condition(obj, "TransportReachable").get("status") == "True"
             and obj
         ),
         STATUS_WAIT_S,
-        what="status.partitions 3",
+        what="status.partitions 3 and TransportReachable=True",
     )
-    assert condition(ad, "TransportReachable")["status"] == "True"
     assert ad["status"]["queueDepth"] == 0
     assert ("TopicCreated", f"created topic {kafka_topic_name} with 3 partitions") in reasons(
         kube, ns, "stream"
