@@ -32,7 +32,6 @@ from agent_dispatch.stores._common import (
     idempotency_conflict,
     make_item,
     prepare_submit,
-    to_ts,
 )
 from agent_dispatch.stores._engine_fenced import FencedCalls
 from agent_dispatch.stores._engine_inspect import InspectCalls
@@ -70,35 +69,7 @@ class EngineStore(InspectCalls, FencedCalls):
                 raise NotFound(f"dependency {dep_id} not found")
             deps.append(dep)
         pending = sum(dep.state is not WorkState.SUCCEEDED for dep in deps)
-        row = Row(
-            id=prepared.id,
-            tenant=prepared.tenant,
-            kind=prepared.kind,
-            queue=prepared.queue,
-            session_id=prepared.session_id,
-            state=WorkState.SUBMITTED if pending else WorkState.READY,
-            priority=prepared.priority,
-            deadline=to_ts(prepared.deadline),
-            attempt=0,
-            max_attempts=prepared.max_attempts,
-            lease_epoch=0,
-            fencing_token=0,
-            lease_owner=None,
-            lease_expires_at=None,
-            not_before=None,
-            idempotency_key=prepared.idempotency_key,
-            depends_on=prepared.depends_on,
-            created_at=tx.now,
-            updated_at=tx.now,
-            fairness_group=prepared.fairness_group,
-            outcome=None,
-            error=None,
-            payload_size=len(prepared.payload),
-            payload_digest=prepared.digest,
-            commit_token=None,
-            pending_deps=pending,
-            last_dispatched_at=tx.now if dispatched and not pending else None,
-        )
+        row = Row.new(prepared, tx.now, pending=pending, dispatched=dispatched)
         tx.insert(row, prepared.payload)
         tx.link(row.id, prepared.depends_on)
         self._event(tx, row, Event.SUBMIT)

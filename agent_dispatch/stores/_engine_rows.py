@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from agent_dispatch.models import Outcome, OutcomeRecord, WorkState
 from agent_dispatch.stores._calls import Listing
+from agent_dispatch.stores._common import Prepared, to_ts
 
 
 @dataclass
@@ -47,6 +48,40 @@ class Row:
     pending_deps: int
     last_dispatched_at: float | None
     seq: int = 0
+
+    @classmethod
+    def new(cls, prepared: Prepared, now: float, *, pending: int, dispatched: bool) -> Row:
+        """A newly submitted item: ready (``submitted`` while ``pending`` dependencies are not
+        done), no attempt yet, no lease. ``dispatched``: admitted in its submit's transaction."""
+        return cls(
+            id=prepared.id,
+            tenant=prepared.tenant,
+            kind=prepared.kind,
+            queue=prepared.queue,
+            session_id=prepared.session_id,
+            state=WorkState.SUBMITTED if pending else WorkState.READY,
+            priority=prepared.priority,
+            deadline=to_ts(prepared.deadline),
+            attempt=0,
+            max_attempts=prepared.max_attempts,
+            lease_epoch=0,
+            fencing_token=0,
+            lease_owner=None,
+            lease_expires_at=None,
+            not_before=None,
+            idempotency_key=prepared.idempotency_key,
+            depends_on=prepared.depends_on,
+            created_at=now,
+            updated_at=now,
+            fairness_group=prepared.fairness_group,
+            outcome=None,
+            error=None,
+            payload_size=len(prepared.payload),
+            payload_digest=prepared.digest,
+            commit_token=None,
+            pending_deps=pending,
+            last_dispatched_at=now if dispatched and not pending else None,
+        )
 
     def record(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -16,9 +16,9 @@ import sqlite3
 from typing import Any, Final, Protocol
 
 from agent_dispatch.db import sql
-from agent_dispatch.models import Lease, Outcome, OutcomeRecord, WorkItem, WorkState
+from agent_dispatch.models import Lease, Outcome, OutcomeRecord, WorkItem
 from agent_dispatch.store import StartedTurn, bound_error
-from agent_dispatch.stores._common import COMMIT_STATE, Event, Prepared, make_item, require_dt, to_ts
+from agent_dispatch.stores._common import COMMIT_STATE, Event, Prepared, make_item, require_dt
 from agent_dispatch.stores._engine_rows import ROW_FIELDS, Row
 
 _SQL: Final = sql.load(__package__ or "agent_dispatch.stores", "sql/sqlite_batch.sql")
@@ -65,66 +65,35 @@ def insert_new(tx: BatchTx, batch: list[Prepared], *, dispatched: bool) -> list[
         return None
     if tx.conn.execute(_SQL["any_existing"], {"ids": json.dumps(ids), "keys": json.dumps(keys)}).fetchone():
         return None
-    now = tx.now
-    dispatched_at = now if dispatched else None
+    rows = [Row.new(p, tx.now, pending=0, dispatched=dispatched) for p in batch]
     tx.conn.executemany(
         _SQL["insert_new"],
         [
             (
-                p.id,
-                p.tenant,
-                p.kind,
-                p.queue,
-                p.session_id,
-                p.priority,
-                to_ts(p.deadline),
-                p.max_attempts,
-                p.idempotency_key,
-                p.fairness_group,
+                r.id,
+                r.tenant,
+                r.kind,
+                r.queue,
+                r.session_id,
+                r.priority,
+                r.deadline,
+                r.max_attempts,
+                r.idempotency_key,
+                r.fairness_group,
                 p.payload,
-                len(p.payload),
-                p.digest,
-                now,
-                now,
-                dispatched_at,
+                r.payload_size,
+                r.payload_digest,
+                r.created_at,
+                r.updated_at,
+                r.last_dispatched_at,
             )
-            for p in batch
+            for r, p in zip(rows, batch, strict=True)
         ],
     )
-    at = require_dt(now)
-    items = []
-    for p in batch:
-        tx.append(OutcomeRecord(p.id, p.tenant, Event.SUBMIT.value, None, 0, 0, at))
-        items.append(
-            make_item(
-                {
-                    "id": p.id,
-                    "tenant": p.tenant,
-                    "kind": p.kind,
-                    "queue": p.queue,
-                    "session_id": p.session_id,
-                    "state": WorkState.READY,
-                    "priority": p.priority,
-                    "deadline": to_ts(p.deadline),
-                    "attempt": 0,
-                    "max_attempts": p.max_attempts,
-                    "lease_epoch": 0,
-                    "fencing_token": 0,
-                    "lease_owner": None,
-                    "lease_expires_at": None,
-                    "not_before": None,
-                    "idempotency_key": p.idempotency_key,
-                    "depends_on": (),
-                    "created_at": now,
-                    "updated_at": now,
-                    "fairness_group": p.fairness_group,
-                    "outcome": None,
-                    "error": None,
-                    "payload_size": len(p.payload),
-                }
-            )
-        )
-    return items
+    at = require_dt(tx.now)
+    for r in rows:
+        tx.append(OutcomeRecord(r.id, r.tenant, Event.SUBMIT.value, None, 0, 0, at))
+    return [make_item(r.record()) for r in rows]
 
 
 def start_many(tx: BatchTx, owner: str, wanted: list[tuple[str, str]], ttl: float) -> dict[str, StartedTurn]:
