@@ -36,7 +36,10 @@ def _cluster() -> FakeCluster:
 def test_a_failed_kafka_probe_still_migrates_the_store_and_reports_kafka(store_steps: list[bool]) -> None:
     ops = FakeKafka().ops()
     failing = _reconcile.KafkaOps(
-        ensure_topic=ops.ensure_topic, describe_topic=ops.describe_topic, consumer_lag=_failing_lag
+        ensure_topic=ops.ensure_topic,
+        describe_topic=ops.describe_topic,
+        consumer_lag=_failing_lag,
+        settle_s=0.3,  # the topic was just created: the probe is retried, then the failure reported
     )
     outcome = _reconcile.reconcile(body(kafka_spec()), _cluster(), failing)
     assert store_steps == [True]

@@ -9,6 +9,7 @@ worker thread and do nothing else, so both are tested directly against a real AP
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
@@ -24,6 +25,13 @@ log = logging.getLogger("agent_dispatch.operator")
 EventType = Literal["Normal", "Warning"]
 
 POSTGRES_CONNECT_TIMEOUT_S: Final = 5
+
+#: How long a pass that created or grew the topic waits for its lag probe to work: a new partition
+#: answers offset requests only once it has a leader, usually within a few seconds. Without the
+#: wait, every create or grow showed TransportReachable=False (and Ready=False) until the status
+#: timer's next probe.
+TOPIC_SETTLE_S: Final = 10.0
+TOPIC_SETTLE_POLL_S: Final = 0.2
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,8 @@ class KafkaOps:
     ensure_topic: Callable[[str, str, int, int | None], _kafka.TopicResult] = _kafka.ensure_topic
     describe_topic: Callable[[str, str], int | None] = _kafka.describe_topic
     consumer_lag: Callable[[str, str, str], int | None] = _kafka.consumer_lag
+    settle_s: float = TOPIC_SETTLE_S
+    """How long the lag probe is retried after this pass created or grew the topic."""
 
 
 def _meta(body: Mapping[str, Any]) -> tuple[str, str, int | None]:
@@ -105,6 +115,19 @@ def _kafka_servers(spec: DispatchSpec, cluster: Cluster, namespace: str) -> str 
     return servers
 
 
+def _consumer_lag(kafka: KafkaOps, servers: str, topic: str, group: str, *, settle: bool) -> int | None:
+    """The group's lag; right after a create or grow, retried until the new partitions have
+    leaders (bounded by ``kafka.settle_s``), then the last failure is reported."""
+    deadline = time.monotonic() + (kafka.settle_s if settle else 0.0)
+    while True:
+        try:
+            return kafka.consumer_lag(servers, topic, group)
+        except _kafka.KafkaUnavailable:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(TOPIC_SETTLE_POLL_S)
+
+
 def _kafka_step(
     spec: DispatchSpec, servers: str, recorded: int | None, kafka: KafkaOps, *, mutate: bool
 ) -> Transport:
@@ -112,6 +135,7 @@ def _kafka_step(
     result = Transport()
     topic = spec.kafka.topic
     refused = partition_decrease(spec.partitions, recorded)
+    changed = False  # this pass created or grew the topic
     try:
         if refused is not None:
             # Refused before any call that could change the topic: only look.
@@ -124,15 +148,17 @@ def _kafka_step(
             if topic_result.action == "refused":
                 result.refused = f"spec.partitions: {topic_result.message}"
             elif topic_result.action == "created":
+                changed = True
                 result.events.append(Event("Normal", "TopicCreated", topic_result.message))
             elif topic_result.action == "grown":
+                changed = True
                 result.events.append(Event("Normal", "PartitionsGrown", topic_result.message))
         else:
             current = kafka.describe_topic(servers, topic)
             result.partitions = current
             if current is not None and spec.partitions < current:
                 result.refused = str(partition_decrease(spec.partitions, current))
-        result.depth = kafka.consumer_lag(servers, topic, spec.kafka.consumer_group)
+        result.depth = _consumer_lag(kafka, servers, topic, spec.kafka.consumer_group, settle=changed)
     except _kafka.KafkaUnavailable as exc:
         return replace(result, ok=False, message=doctor.redact(str(exc)))
     result.ok = True
