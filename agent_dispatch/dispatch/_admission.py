@@ -13,8 +13,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from agent_dispatch.dispatch._turns import (
     REFUSALS,
@@ -38,6 +39,10 @@ from agent_dispatch.models import SubmitRequest, SubmitResult, WorkItem
 from agent_dispatch.settings import Settings
 from agent_dispatch.store import BatchSubmit, CountsUnfinished, TransactionalSubmit, WorkItemStore
 from agent_dispatch.transport import AdmitOnConnection, OutboundTurn, Transport
+
+#: How long a pre-check that found the queue at most half full spares the next requests theirs
+#: (:meth:`OneTransaction._precheck`).
+ROOM_S: Final = 1.0
 
 
 class Admission(Protocol):
@@ -132,6 +137,18 @@ class OneTransaction(_Strategy):
         self._queue = transport
         self._batch = store if isinstance(store, BatchSubmit) else None
         self._counter = store if isinstance(store, CountsUnfinished) else None
+        self._room_until = 0.0  # time.monotonic() until which the pre-check is skipped
+
+    def _precheck(self, count: int = 1) -> None:
+        """The pre-check only spares a full queue the transaction of each refused request: the
+        admission in the transaction is the bound, and fails closed with it. So while the queue
+        was seen, moments ago, at most half full, a request skips asking again (one round trip of
+        a one-turn submit's six); near the bound every request asks."""
+        if time.monotonic() < self._room_until:
+            return
+        depth = precheck(self.transport, self.settings, count)
+        if 2 * (depth + count) <= self.settings.max_depth:
+            self._room_until = time.monotonic() + ROOM_S
 
     def _admit_unfinished(self, conn: Any, items: list[WorkItem]) -> None:
         # Last in the transaction, after the queue's counters: the lock order every writer keeps.
@@ -153,7 +170,7 @@ class OneTransaction(_Strategy):
 
     def enqueue_many(self, requests: Sequence[SubmitRequest]) -> Outcomes:
         try:
-            precheck(self.transport, self.settings)
+            self._precheck()
         except REFUSALS as exc:
             return [answer_refused(self.store, request, exc) for request in requests]
         if self._batch is not None and not any(r.depends_on for r in requests):

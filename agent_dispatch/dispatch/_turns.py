@@ -132,8 +132,9 @@ def check_envelope_fields(request: SubmitRequest) -> None:
         raise InvalidRequest(f"{field}: {first['msg']}") from None
 
 
-def precheck(transport: Transport, settings: Settings, count: int = 1) -> None:
-    """Cheap fail-closed check before anything is written: an unknown depth rejects.
+def precheck(transport: Transport, settings: Settings, count: int = 1) -> int:
+    """Cheap fail-closed check before anything is written: an unknown depth rejects. Returns the
+    depth it read.
 
     Not authoritative (another submitter may take the room next); the transport's atomic
     compare-and-admit is. ``DepthUnavailable``/``QueueFull`` propagate.
@@ -141,6 +142,7 @@ def precheck(transport: Transport, settings: Settings, count: int = 1) -> None:
     depth = transport.depth()
     if depth + count > settings.max_depth:
         raise QueueFull(f"queue depth {depth} is at the bound {settings.max_depth}")
+    return depth
 
 
 def admittable(item: WorkItem) -> bool:

@@ -149,7 +149,8 @@ class SqliteTransport:
         """Admit inside the caller's open write transaction on ``conn`` (the same database file).
 
         The enqueue path uses this to submit a WorkItem and admit its envelope atomically.
-        Raises ``QueueFull`` (the caller rolls back); returns the number of rows inserted (a
+        Raises ``QueueFull``, or ``DepthUnavailable`` when the depth counter is gone (the caller
+        rolls back); returns the number of rows inserted (a
         WorkItem that already has a queued delivery is skipped, never queued twice).
         """
         if not turns:
@@ -179,6 +180,8 @@ class SqliteTransport:
                 {"n": inserted, "bound": self.max_depth},
             )
             if cur.rowcount != 1:
+                if conn.execute(f"SELECT 1 FROM {DEPTH} WHERE singleton = 1").fetchone() is None:
+                    raise DepthUnavailable("sqlite transport: the depth counter row is missing")
                 raise QueueFull(f"sqlite queue: {inserted} more would exceed the bound {self.max_depth}")
         else:
             conn.execute(f"UPDATE {DEPTH} SET depth = depth + ? WHERE singleton = 1", (inserted,))

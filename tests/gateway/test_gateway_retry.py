@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from agent_dispatch import dispatch
-from agent_dispatch.errors import DepthUnavailable
 from agent_dispatch.models import deterministic_id
 from tests.gateway._contract import (
     BACKENDS,
@@ -197,27 +196,45 @@ def test_a_key_reused_with_a_different_body_is_409_full_or_not(full_gateway: Run
 
 class _Outage:
     """Makes the depth unknown: on Kafka the real broker stops; on the database queues the depth
-    probe fails (the transport's own method raising what an unreachable database raises)."""
+    counter row goes (so the pre-check and the admission in the submit's transaction both find
+    the depth unknown), and comes back with its value afterwards."""
 
     def __init__(self, gw: Running, backend: str, request: pytest.FixtureRequest) -> None:
         self.gw, self.backend, self.request = gw, backend, request
+        self.depth = 0
 
     def __enter__(self) -> None:
         if self.backend == "kafka":
             self.request.getfixturevalue("kafka_broker").stop()
             time.sleep(0.3)  # past the probe cache: only a fresh probe may answer
             return
-
-        def unknown() -> int:
-            raise DepthUnavailable("the queue's database is unreachable")
-
-        self.gw.transport.depth = unknown  # type: ignore[method-assign]
+        self.depth = self.gw.transport.depth()
+        self._execute("DELETE FROM agent_dispatch_queue_depth")
 
     def __exit__(self, *exc: object) -> None:
         if self.backend == "kafka":
             self.request.getfixturevalue("kafka_broker").start()
         else:
-            del self.gw.transport.depth
+            self._execute(
+                f"INSERT INTO agent_dispatch_queue_depth (singleton, depth) VALUES (true, {self.depth})"
+            )
+
+    def _execute(self, statement: str) -> None:
+        uri = self.gw.settings.state_db_uri
+        if uri is not None:
+            import psycopg
+
+            with psycopg.connect(uri.get_secret_value(), autocommit=True) as conn:
+                conn.execute(statement)
+            return
+        import sqlite3
+
+        conn = sqlite3.connect(self.gw.settings.sqlite_path)
+        try:
+            conn.execute(statement.replace("true", "1"))
+            conn.commit()
+        finally:
+            conn.close()
 
 
 def test_a_503_keeps_nothing_and_a_retry_is_a_fresh_attempt(

@@ -46,6 +46,8 @@ SCHEMA_VERSION: Final = 2
 NOTIFY_CHANNEL: Final = "agent_dispatch_queue"
 #: SQLSTATE our admit function raises when the batch would pass the bound.
 QUEUE_FULL_SQLSTATE: Final = "AD001"
+#: SQLSTATE it raises when the depth counter row is gone: the depth is unknown.
+DEPTH_MISSING_SQLSTATE: Final = "AD002"
 
 #: Tables in dependency order (tests truncate them between examples).
 TABLES: Final = (

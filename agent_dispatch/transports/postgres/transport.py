@@ -206,7 +206,8 @@ class PostgresTransport:
 
         The enqueue path uses this to submit a WorkItem and admit its envelope in ONE
         transaction when the WorkItem store lives in the same database. Returns the number of
-        rows inserted (a WorkItem that already has a queued delivery is skipped).
+        rows inserted (a WorkItem that already has a queued delivery is skipped). Raises
+        ``QueueFull``, or ``DepthUnavailable`` when the depth counter is gone.
         """
         if not turns:
             return 0
@@ -233,6 +234,8 @@ class PostgresTransport:
                 raise QueueFull(
                     f"postgres queue: {len(turns)} more would exceed the bound {self.max_depth}"
                 ) from None
+            if exc.sqlstate == schema.DEPTH_MISSING_SQLSTATE:
+                raise DepthUnavailable("postgres queue: the depth counter row is missing") from None
             raise
         return int(row[0]) if row else 0
 

@@ -464,6 +464,10 @@ BEGIN
         UPDATE agent_dispatch_queue_depth SET depth = depth + v_n WHERE depth + v_n <= p_bound
         RETURNING depth INTO v_depth;
         IF NOT FOUND THEN
+            IF NOT EXISTS (SELECT FROM agent_dispatch_queue_depth) THEN
+                -- The depth is unknown, never taken as zero or as full.
+                RAISE EXCEPTION 'the queue depth counter row is missing' USING ERRCODE = 'AD002';
+            END IF;
             RAISE EXCEPTION 'queue depth would exceed %', p_bound USING ERRCODE = 'AD001';
         END IF;
     END IF;
