@@ -453,19 +453,25 @@ def test_kafka_partitions_grow_and_a_decrease_is_refused(
     wait_for(
         lambda: topic_partitions(kafka_bootstrap, kafka_topic_name) == 3, STATUS_WAIT_S, what="topic created"
     )
-    # The reconcile that creates the topic may report TransportReachable=False: a brand-new
-    # topic's first lag probe fails until its partitions have leaders. The status timer's next
-    # probe reports it reachable, with the depth.
+    # A brand-new topic's first lag probe fails until its partitions have leaders: the reconcile
+    # that created it waits for the probe (bounded), so the status never flaps to
+    # TransportReachable=False on the way (every status seen is recorded).
+    seen: list[str] = []
+
+    def reachable_with_three() -> dict[str, Any] | None:
+        obj = get_ad(kube_api, ns, "stream")
+        if not obj or (obj.get("status") or {}).get("partitions") != 3:
+            return None
+        seen.append(condition(obj, "TransportReachable").get("status", ""))
+        return obj if seen[-1] == "True" else None
+
     ad = wait_for(
-        lambda: (
-            (obj := get_ad(kube_api, ns, "stream"))
-            and (obj.get("status") or {}).get("partitions") == 3
-            and condition(obj, "TransportReachable").get("status") == "True"
-            and obj
-        ),
+        reachable_with_three,
         STATUS_WAIT_S,
+        interval=0.2,
         what="status.partitions 3 and TransportReachable=True",
     )
+    assert "False" not in seen, seen
     assert ad["status"]["queueDepth"] == 0
     assert ("TopicCreated", f"created topic {kafka_topic_name} with 3 partitions") in reasons(
         kube, ns, "stream"
@@ -477,11 +483,15 @@ def test_kafka_partitions_grow_and_a_decrease_is_refused(
     wait_for(
         lambda: topic_partitions(kafka_bootstrap, kafka_topic_name) == 6, STATUS_WAIT_S, what="topic grown"
     )
-    wait_for(
-        lambda: (get_ad(kube_api, ns, "stream") or {}).get("status", {}).get("partitions") == 6,
-        STATUS_WAIT_S,
-        what="status.partitions 6",
-    )
+    grown: list[str] = []
+
+    def six_partitions() -> bool:
+        obj = get_ad(kube_api, ns, "stream") or {}
+        grown.append(condition(obj, "TransportReachable").get("status", "") if obj else "")
+        return bool((obj.get("status") or {}).get("partitions") == 6)
+
+    wait_for(six_partitions, STATUS_WAIT_S, interval=0.2, what="status.partitions 6")
+    assert "False" not in grown, grown
     assert any(r == "PartitionsGrown" for r, _ in reasons(kube, ns, "stream"))
     dep = deployment(kube_api, ns, "stream-worker")
     assert dep is not None and env_of(dep)["AGENT_TURNS_PARTITIONS"]["value"] == "6"
