@@ -310,6 +310,11 @@ def render(data: dict[str, Any]) -> str:
                 f"1 idle worker process, LISTEN/NOTIFY) | {idle['dispatch_p50_ms']:.1f} / "
                 f"{idle['dispatch_p99_ms']:.1f} ms |"
             )
+            if "dispatch_submit_p50_ms" in idle:  # runs before 2026-12-07 did not split it
+                w(
+                    f"| of which the submit call (`Admission.enqueue`, to its commit), p50 | "
+                    f"{idle['dispatch_submit_p50_ms']:.1f} ms |"
+                )
             w(
                 f"| idle worker CPU over {idle['idle_window_s']:.0f} s ({CONCURRENCY} claim loops) | "
                 f"{idle['idle_cpu_pct']:.2f}% of a core |"
