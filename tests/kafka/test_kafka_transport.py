@@ -486,3 +486,52 @@ def test_depth_probe_of_a_missing_topic_is_unavailable_not_zero(
             consumer_group_lag(admin, kafka_topic_name, "nobody", timeout_s=5, reader=reader)
     finally:
         reader.close()
+
+
+class _LosesCommits:
+    """The thread's librdkafka consumer, except that asynchronous commits vanish without an error
+    while ``losing`` is set (as one sent to a group coordinator that moved during a restart)."""
+
+    def __init__(self, consumer: Any) -> None:
+        self._consumer = consumer
+        self.losing = True
+        self.lost = 0
+
+    def commit(self, *args: Any, **kwargs: Any) -> Any:
+        if self.losing and kwargs.get("asynchronous", True):
+            self.lost += 1
+            return None
+        return self._consumer.commit(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+@pytest.mark.parametrize("refresh_s", [0.5])
+def test_a_commit_lost_without_an_error_is_sent_again(
+    make_transport: Callable[..., KafkaTransport],
+    kafka_bootstrap: str,
+    kafka_topic_name: str,
+    refresh_s: float,
+) -> None:
+    """An idle partition's acknowledged turns leave the lag even when the commit that carried
+    them never reached the broker and no callback said so: the position is sent again."""
+    group = f"g.{kafka_topic_name}"
+    transport = make_transport(commit_interval_s=0.0, commit_refresh_s=0.5)
+    transport.admit([_turn(f"t{i}") for i in range(4)])
+    got = _claim_until(transport, 4)
+    (consumer,) = transport._consumers._list()
+    lossy = _LosesCommits(consumer.consumer)
+    consumer.consumer = lossy
+    for delivery in got:
+        transport.ack(delivery.receipt)
+    transport.claim("w", wait_s=0)
+    assert lossy.lost >= 1
+    assert _committed(kafka_bootstrap, group, kafka_topic_name)[0] < 4  # the commit vanished
+    lossy.losing = False
+    # Nothing moves any more: only the refresh sends the position again, at some later claim.
+    deadline = time.monotonic() + WAIT_S
+    while _committed(kafka_bootstrap, group, kafka_topic_name)[0] != 4:
+        assert time.monotonic() < deadline, "the lost commit was never sent again"
+        transport.claim("w", wait_s=0.2)
+    _eventually(lambda: transport.depth() == 0, "depth 0 once the position is committed")

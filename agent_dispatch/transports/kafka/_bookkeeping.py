@@ -98,8 +98,9 @@ class PartitionState:
     order: collections.deque[int] = field(default_factory=collections.deque)
     #: Offsets in ``unacked`` waiting for redelivery.
     due: set[int] = field(default_factory=set)
-    #: (offset, metadata) of the last commit sent for this partition.
+    #: (offset, metadata) of the last commit sent for this partition, and when it was sent.
     committed: tuple[int, str] | None = None
+    sent_at: float = 0.0
     prior_loaded: bool = False
     prior: Prior | None = None
     seek_retry_at: float = 0.0

@@ -22,6 +22,11 @@ class KafkaTuning:
     delivery_timeout_s: float = 30.0
     #: Acknowledgements are committed at most this often per consumer (always at claim and close).
     commit_interval_s: float = 0.05
+    #: A consumer sends each partition's position again this long after it last sent it, even if
+    #: nothing moved: an asynchronous commit can be lost without an error reaching its callback
+    #: (a group coordinator moving while a cluster restarts), and an idle partition would then
+    #: keep acknowledged turns counted in the lag for good.
+    commit_refresh_s: float = 5.0
     #: Claimed but neither acknowledged nor released for this long: redelivered (None: from settings).
     visibility_timeout_s: float | None = None
     #: Consumer group session timeout (a crashed process's partitions move after this); capped at

@@ -81,6 +81,7 @@ class ThreadConsumer:
         self._topic = spec.topic
         self._visibility_s = spec.visibility_timeout_s
         self._commit_interval_s = spec.tuning.commit_interval_s
+        self._commit_refresh_s = spec.tuning.commit_refresh_s
         self._parts: dict[int, PartitionState] = {}
         self._next_expiry = float("inf")
         self._last_commit = 0.0
@@ -338,7 +339,8 @@ class ThreadConsumer:
         Within the interval the commit is left to the background committer (or the next claim),
         so a burst of acknowledgements costs one request, and an idle owner's last ones still land.
         ``resend`` (and ``synchronous``) sends every position even if an earlier asynchronous
-        commit already carried it, since that one may have failed unnoticed.
+        commit already carried it, since that one may have failed unnoticed; so does any commit
+        once a position was last sent ``commit_refresh_s`` ago (every claim commits).
         """
         now = time.monotonic()
         if not force and not synchronous and now - self._last_commit < self._commit_interval_s:
@@ -355,10 +357,12 @@ class ThreadConsumer:
             if position is None:
                 continue
             metadata = state.commit_metadata()
-            # On revoke and close: even if an asynchronous commit already carried it, confirm it.
-            if synchronous or resend or state.committed != (position, metadata):
+            # On revoke and close, and now and then: even if an asynchronous commit already
+            # carried it, confirm it.
+            stale = now - state.sent_at >= self._commit_refresh_s
+            if synchronous or resend or stale or state.committed != (position, metadata):
                 offsets.append(TopicPartition(self._topic, partition, position, metadata))
-                state.committed = (position, metadata)
+                state.committed, state.sent_at = (position, metadata), now
         if not offsets:
             return
         self._last_commit = now
