@@ -139,15 +139,15 @@ class OneTransaction(_Strategy):
         self._counter = store if isinstance(store, CountsUnfinished) else None
         self._room_until = 0.0  # time.monotonic() until which the pre-check is skipped
 
-    def _precheck(self, count: int = 1) -> None:
+    def _precheck(self) -> None:
         """The pre-check only spares a full queue the transaction of each refused request: the
         admission in the transaction is the bound, and fails closed with it. So while the queue
         was seen, moments ago, at most half full, a request skips asking again (one round trip of
         a one-turn submit's six); near the bound every request asks."""
         if time.monotonic() < self._room_until:
             return
-        depth = precheck(self.transport, self.settings, count)
-        if 2 * (depth + count) <= self.settings.max_depth:
+        depth = precheck(self.transport, self.settings)
+        if 2 * (depth + 1) <= self.settings.max_depth:
             self._room_until = time.monotonic() + ROOM_S
 
     def _admit_unfinished(self, conn: Any, items: list[WorkItem]) -> None:

@@ -150,8 +150,8 @@ class SqliteTransport:
 
         The enqueue path uses this to submit a WorkItem and admit its envelope atomically.
         Raises ``QueueFull``, or ``DepthUnavailable`` when the depth counter is gone (the caller
-        rolls back); returns the number of rows inserted (a
-        WorkItem that already has a queued delivery is skipped, never queued twice).
+        rolls back); returns the number of rows inserted (a WorkItem that already has a queued
+        delivery is skipped, never queued twice).
         """
         if not turns:
             return 0
