@@ -45,6 +45,25 @@ class Running:
     server: GatewayServer
     closers: list[Any] = field(default_factory=list)
 
+    def execute_in_database(self, statement: str) -> None:
+        """Run one SQL statement in the gateway's database (PostgreSQL or the SQLite file) from
+        outside the gateway, as an operator or a fault would."""
+        uri = self.settings.state_db_uri
+        if uri is not None:
+            import psycopg
+
+            with psycopg.connect(uri.get_secret_value(), autocommit=True) as conn:
+                conn.execute(statement)
+            return
+        import sqlite3
+
+        conn = sqlite3.connect(self.settings.sqlite_path)
+        try:
+            conn.execute(statement)
+            conn.commit()
+        finally:
+            conn.close()
+
     def call(
         self,
         method: str,

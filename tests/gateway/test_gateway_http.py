@@ -190,21 +190,7 @@ def test_depth_probe_failure_is_503_and_nothing_is_accepted(gw: Running) -> None
 
 
 def _delete_depth_counter(gw: Running) -> None:
-    table = "agent_dispatch_queue_depth"
-    if gw.settings.state_db_uri is not None:
-        import psycopg
-
-        with psycopg.connect(gw.settings.state_db_uri.get_secret_value(), autocommit=True) as conn:
-            conn.execute(f"DELETE FROM {table}")
-    else:
-        import sqlite3
-
-        conn = sqlite3.connect(gw.settings.sqlite_path)
-        try:
-            conn.execute(f"DELETE FROM {table}")
-            conn.commit()
-        finally:
-            conn.close()
+    gw.execute_in_database("DELETE FROM agent_dispatch_queue_depth")
 
 
 # --- idempotency and batches -----------------------------------------------------------------

@@ -209,32 +209,15 @@ class _Outage:
             time.sleep(0.3)  # past the probe cache: only a fresh probe may answer
             return
         self.depth = self.gw.transport.depth()
-        self._execute("DELETE FROM agent_dispatch_queue_depth")
+        self.gw.execute_in_database("DELETE FROM agent_dispatch_queue_depth")
 
     def __exit__(self, *exc: object) -> None:
         if self.backend == "kafka":
             self.request.getfixturevalue("kafka_broker").start()
         else:
-            self._execute(
+            self.gw.execute_in_database(
                 f"INSERT INTO agent_dispatch_queue_depth (singleton, depth) VALUES (true, {self.depth})"
             )
-
-    def _execute(self, statement: str) -> None:
-        uri = self.gw.settings.state_db_uri
-        if uri is not None:
-            import psycopg
-
-            with psycopg.connect(uri.get_secret_value(), autocommit=True) as conn:
-                conn.execute(statement)
-            return
-        import sqlite3
-
-        conn = sqlite3.connect(self.gw.settings.sqlite_path)
-        try:
-            conn.execute(statement.replace("true", "1"))
-            conn.commit()
-        finally:
-            conn.close()
 
 
 def test_a_503_keeps_nothing_and_a_retry_is_a_fresh_attempt(
