@@ -76,6 +76,14 @@ def _parse(token: str) -> tuple[int, str] | None:
     return int(parts[1]), parts[2]
 
 
+def _counted_depth(conn: sqlite3.Connection) -> int:
+    """The admission counter's depth; ``DepthUnavailable`` when its row is gone."""
+    row = conn.execute(f"SELECT depth FROM {DEPTH} WHERE singleton = 1").fetchone()
+    if row is None:
+        raise DepthUnavailable("sqlite transport: the depth counter row is missing")
+    return int(row[0])
+
+
 class SqliteTransport:
     """The SQLite queue; thread-safe (one connection per thread), shareable by local processes."""
 
@@ -180,8 +188,7 @@ class SqliteTransport:
                 {"n": inserted, "bound": self.max_depth},
             )
             if cur.rowcount != 1:
-                if conn.execute(f"SELECT 1 FROM {DEPTH} WHERE singleton = 1").fetchone() is None:
-                    raise DepthUnavailable("sqlite transport: the depth counter row is missing")
+                _counted_depth(conn)  # a missing counter is an unknown depth, not a full queue
                 raise QueueFull(f"sqlite queue: {inserted} more would exceed the bound {self.max_depth}")
         else:
             conn.execute(f"UPDATE {DEPTH} SET depth = depth + ? WHERE singleton = 1", (inserted,))
@@ -190,12 +197,9 @@ class SqliteTransport:
     def depth(self) -> int:
         self._ensure_ready_for(DepthUnavailable)
         try:
-            row = self._db.get().execute(f"SELECT depth FROM {DEPTH} WHERE singleton = 1").fetchone()
+            return _counted_depth(self._db.get())
         except (sqlite3.Error, BackendUnavailable) as exc:
             raise DepthUnavailable(f"sqlite transport: depth probe failed ({type(exc).__name__})") from None
-        if row is None:
-            raise DepthUnavailable("sqlite transport: the depth counter row is missing")
-        return int(row[0])
 
     # -- delivery ---------------------------------------------------------------------------
 

@@ -48,6 +48,8 @@ _PRUNE_ROUNDS: Final = 10
 _VACUUM_SMALL_DEAD: Final = 1000
 _VACUUM_QUEUE_DEAD: Final = 10_000
 _VACUUM_QUEUE_SHARE: Final = 0.05
+#: What a depth read or an admission says when the admission counter row is gone.
+_COUNTER_MISSING: Final = "postgres queue: the depth counter row is missing"
 
 
 class PostgresTransport:
@@ -235,7 +237,7 @@ class PostgresTransport:
                     f"postgres queue: {len(turns)} more would exceed the bound {self.max_depth}"
                 ) from None
             if exc.sqlstate == schema.DEPTH_MISSING_SQLSTATE:
-                raise DepthUnavailable("postgres queue: the depth counter row is missing") from None
+                raise DepthUnavailable(_COUNTER_MISSING) from None
             raise
         return int(row[0]) if row else 0
 
@@ -245,7 +247,7 @@ class PostgresTransport:
             with self._conn() as conn:
                 row = conn.execute(QUERIES["depth"]).fetchone()
             if row is None:
-                raise DepthUnavailable("postgres queue: the depth counter row is missing")
+                raise DepthUnavailable(_COUNTER_MISSING)
             return int(row[0])
 
         return self._call(run, unavailable=DepthUnavailable)
