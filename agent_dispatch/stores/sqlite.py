@@ -301,7 +301,8 @@ class SqliteStore(EngineStore):
         self._leaders: dict[str, int] = {}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db.get()
+            with self._db.use():
+                pass
         except (OSError, sqlite3.Error) as exc:
             raise BackendUnavailable(f"SQLite database cannot be opened: {exc}") from exc
 
@@ -314,7 +315,8 @@ class SqliteStore(EngineStore):
     @contextmanager
     def _transaction(self, begin: str) -> Iterator[_SqliteTx]:
         if not self._schema_ok:
-            require(self._db.get(), self.schema)
+            with self._db.use() as conn:
+                require(conn, self.schema)
             self._schema_ok = True
         with self._db.transaction(begin) as conn:
             tx = _SqliteTx(conn, self._db.now(conn) + self._clock_offset_s)

@@ -197,7 +197,8 @@ class SqliteTransport:
     def depth(self) -> int:
         self._ensure_ready_for(DepthUnavailable)
         try:
-            return _counted_depth(self._db.get())
+            with self._db.use() as conn:
+                return _counted_depth(conn)
         except (sqlite3.Error, BackendUnavailable) as exc:
             raise DepthUnavailable(f"sqlite transport: depth probe failed ({type(exc).__name__})") from None
 
