@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -73,6 +74,7 @@ class GatewayServer:
         if not self._started.wait(START_TIMEOUT_S):
             raise RuntimeError("the gateway did not start in time")
         if self._error is not None:
+            self._thread.join(timeout=SHUTDOWN_TIMEOUT_S + 5)
             raise self._error
         return self
 
@@ -83,8 +85,12 @@ class GatewayServer:
             loop.run_until_complete(self._open())
         except BaseException as exc:
             self._error = exc
-            self._started.set()
+            # The app started before the bind failed (the UI's sampler and the thread pool run
+            # store calls): stop it before the caller closes the store under them.
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(self._close())
             loop.close()
+            self._started.set()
             return
         self._started.set()
         try:
