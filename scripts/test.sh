@@ -4,8 +4,8 @@
 # kube-scheduler, kube-proxy, containerd, runc, CNI plugins and docker, then the project's image
 # from its Dockerfile, into ~/.cache/agent-dispatch (once; cached by version or content), runs the
 # quality gates, then pytest, which starts each service on loopback (the node in a network
-# namespace of its own) as the tests need it. Extra arguments go to pytest
-# (`bash scripts/test.sh -m postgres`).
+# namespace of its own) as the tests need it, in two worker processes. Extra arguments go to
+# pytest (`bash scripts/test.sh -m postgres`; `-n 0` for one process).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +26,10 @@ failed=()
 .venv/bin/mypy || failed+=("mypy")
 .venv/bin/lint-imports || failed+=("import-linter")
 
-.venv/bin/python -m pytest "$@" || failed+=("pytest")
+# Two worker processes: much of the suite waits on pods, brokers and timeouts rather than the
+# CPU, so two share this machine's two cores well (tests/_fixtures/groups.py keeps each heavy
+# service's tests in one worker). `-n 0` after it runs everything in one process.
+.venv/bin/python -m pytest -n 2 "$@" || failed+=("pytest")
 
 echo "[test.sh] total $(( $(date +%s) - started ))s"
 if [ ${#failed[@]} -gt 0 ]; then
