@@ -69,12 +69,12 @@ def test_start_many_skips_a_row_another_transaction_has_locked(
     result: dict[str, StartedTurn] = {}
     with psycopg.connect(postgres_dsn) as other:
         other.execute("SELECT 1 FROM agent_dispatch_work_items WHERE id = %s FOR UPDATE", (locked,))
-        thread = threading.Thread(
-            target=lambda: result.update(store.start_many("w1", [(locked, "t1"), (free, "t1")]))
-        )
-        thread.start()
-        thread.join(timeout=10)
-        assert not thread.is_alive(), "start_many waited for a row lock instead of skipping the row"
+        # A batch of two (START_MANY), then the locked row alone (START_ONE): both skip it.
+        for claims in ([(locked, "t1"), (free, "t1")], [(locked, "t1")]):
+            thread = threading.Thread(target=lambda c=claims: result.update(store.start_many("w1", c)))
+            thread.start()
+            thread.join(timeout=10)
+            assert not thread.is_alive(), "start_many waited for a row lock instead of skipping the row"
         other.rollback()
     assert set(result) == {free}
     assert store.get(locked).state is WorkState.READY
@@ -132,6 +132,26 @@ def test_batch_statements_read_only_the_rows_they_name_whatever_the_queue_holds(
     # 300 live leases would show here in the hundreds.
     assert started <= 100, f"start_many read {started} work-item rows for a batch of 16"
     assert committed <= 100, f"commit_many read {committed} work-item rows for a batch of 16"
+
+
+def test_a_batch_of_one_is_read_by_primary_key_under_a_plan_made_on_an_empty_table(
+    store: PostgresStore, postgres_dsn: str
+) -> None:
+    """A batch of one (an idle worker's claim) is started by START_ONE, whose scalar parameters let
+    the plan cache keep a generic plan (START_MANY's arrays are planned afresh on every call). A
+    connection may make that plan while the table is nearly empty, as a worker started with the
+    system does, and keep it while the table grows: it must still read only the named row."""
+    params: dict[str, Any] = {"off": 0.0, "owner": "w2", "ttl": 30.0, "id": "absent", "tenant": "t1"}
+    with psycopg.connect(postgres_dsn) as conn:
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.commit()
+        with conn.transaction(force_rollback=True):
+            assert conn.execute(pg.START_ONE, params, prepare=True).fetchall() == []
+        requests = [SubmitRequest(tenant="t1", kind="turn", payload=b"p") for _ in range(4000)]
+        ids = [r.item.id for r in store.submit_many_in_transaction(requests, lambda conn, items: None)]  # type: ignore[union-attr]
+        assert _rows_read(conn, pg.START_ONE, {**params, "id": ids[-1]}) <= 8
+    started = store.start_many("w1", [(ids[0], "t1")])
+    assert set(started) == {ids[0]} and store.get(ids[0]).state is WorkState.RUNNING
 
 
 # Text that array literals must quote or escape: quotes, backslashes, braces, commas, spaces,

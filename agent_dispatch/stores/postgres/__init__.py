@@ -9,7 +9,14 @@ concurrency is told in :mod:`agent_dispatch.stores.postgres.store`.
 from __future__ import annotations
 
 from agent_dispatch.stores.postgres._base import SCHEMA
-from agent_dispatch.stores.postgres.statements import CLAIM_NEXT, COMMIT_FAST, COMMIT_MANY, START_MANY, T
+from agent_dispatch.stores.postgres.statements import (
+    CLAIM_NEXT,
+    COMMIT_FAST,
+    COMMIT_MANY,
+    START_MANY,
+    START_ONE,
+    T,
+)
 from agent_dispatch.stores.postgres.store import PostgresStore
 
 __all__ = [
@@ -18,6 +25,7 @@ __all__ = [
     "COMMIT_MANY",
     "SCHEMA",
     "START_MANY",
+    "START_ONE",
     "PostgresStore",
     "T",
 ]

@@ -63,8 +63,9 @@ def _event_select(event: str, outcome: str = "NULL", detail: str = "NULL", owner
     return render("event_select", event=event, outcome=outcome, detail=detail, owner=owner)
 
 
-def _take(leased: str = "leased", returning: str = "", *, named: bool = False) -> str:
-    return render("take", leased=leased, returning=returning, named=_SQL["take_named"] if named else "")
+def _take(leased: str = "leased", returning: str = "", *, named: str = "") -> str:
+    """``named``: the fragment naming the rows (``take_named``, ``take_named_one``), if any."""
+    return render("take", leased=leased, returning=returning, named=_SQL[named] if named else "")
 
 
 def _take_event(leased: str = "leased", then: str = "") -> str:
@@ -117,11 +118,14 @@ CLAIM_NEXT: Final = {(q, t): claim_next_sql(queue=q, tenant=t) for q in (False, 
 CLAIM_NAMED: Final = claim_named_sql(fast=False)
 CLAIM_NAMED_FAST: Final = claim_named_sql(fast=True)
 MARK_RUNNING: Final = render("mark_running", fence=FENCE, event=event_sql("'running'"))
-START_MANY: Final = render(
-    "start_many",
-    claimable=_CLAIMABLE,
-    take=_take("running", ", w.payload", named=True),
-    take_event=_take_event("running", " UNION ALL " + _event_select("'running'")),
+START_MANY, START_ONE = (
+    render(
+        name,
+        claimable=_CLAIMABLE,
+        take=_take("running", ", w.payload", named=named),
+        take_event=_take_event("running", " UNION ALL " + _event_select("'running'")),
+    )
+    for name, named in (("start_many", "take_named"), ("start_one", "take_named_one"))
 )
 RENEW: Final = render("renew", fence=FENCE)
 COMMIT: Final = commit_sql()

@@ -72,6 +72,7 @@ from agent_dispatch.stores.postgres.statements import (
     RETRY_FAST,
     SELECT_ITEM,
     START_MANY,
+    START_ONE,
 )
 
 
@@ -146,10 +147,13 @@ class PostgresStore(Inspecting, Submitting):
         return self._run(run, transaction=False)
 
     def _start_many(self, owner: str, wanted: list[tuple[str, str]], ttl: float) -> dict[str, StartedTurn]:
-        params = self._p(
-            owner=owner, ttl=ttl, ids=[i for i, _ in wanted], tenants=[tenant for _, tenant in wanted]
-        )
-        rows = self._run(lambda conn: conn.execute(START_MANY, params).fetchall(), transaction=False)
+        if len(wanted) == 1:
+            ((work_item_id, tenant),) = wanted
+            query, params = START_ONE, self._p(owner=owner, ttl=ttl, id=work_item_id, tenant=tenant)
+        else:
+            ids, tenants = [i for i, _ in wanted], [tenant for _, tenant in wanted]
+            query, params = START_MANY, self._p(owner=owner, ttl=ttl, ids=ids, tenants=tenants)
+        rows = self._run(lambda conn: conn.execute(query, params).fetchall(), transaction=False)
         return {rec["id"]: StartedTurn(make_lease(rec), bytes(rec["payload"])) for rec in rows}
 
     def _renew(self, lease: Lease, ttl: float) -> Lease:

@@ -130,6 +130,9 @@ INSERT INTO agent_dispatch_dependencies (dependency, dependent) SELECT unnest(%(
 -- name: take_named
  AND w.id = ANY(%(ids)b::text[])
 
+-- name: take_named_one
+ AND w.id = %(id)s
+
 -- name: take_event
 -- The 'claim' (or 'dead_letter') record of each row ``take`` updated, {then} more.
     INSERT INTO agent_dispatch_outcomes ({outcome_cols})
@@ -200,6 +203,20 @@ WITH cand AS (
           AND (deadline IS NULL OR deadline - {now} > interval '0')
         FOR UPDATE SKIP LOCKED
     ) AS w
+), upd AS ({take}), ev AS ({take_event})
+SELECT * FROM upd
+
+-- name: start_one
+-- start_many for a batch of one (an idle worker's claim), with scalar parameters. PostgreSQL plans
+-- start_many afresh on every call (a custom plan, since the planner reads a bound array's length
+-- and a generic plan assumes more rows); this text gets the plan cache's generic plan after a few
+-- calls on a connection, which spares a lone turn the planning on its way to the executor.
+WITH cand AS (
+    SELECT id AS cid, state AS prev_state, lease_owner AS prev_owner, true AS simple
+    FROM agent_dispatch_work_items
+    WHERE id = %(id)s AND tenant = %(tenant)s AND {claimable} AND attempt < max_attempts
+      AND (deadline IS NULL OR deadline - {now} > interval '0')
+    FOR UPDATE SKIP LOCKED
 ), upd AS ({take}), ev AS ({take_event})
 SELECT * FROM upd
 
