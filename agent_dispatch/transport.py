@@ -1,8 +1,9 @@
 """How turns travel to workers: one small Protocol, implementations in ``agent_dispatch.transports``.
 
 Beside it, the optional capabilities a transport may have, each a Protocol of its own:
-:class:`AckMany` (acknowledge a batch at once) and :class:`AdmitOnConnection` (admit inside the
-WorkItem store's transaction when both share one database). Every implementation obeys
+:class:`AckMany` (acknowledge a batch at once), :class:`WakesClaims` (cut waiting claims short)
+and :class:`AdmitOnConnection` (admit inside the WorkItem store's transaction when both share one
+database). Every implementation obeys
 ``tests/contract/test_transport_contract.py``, capabilities included. A transport carries
 signed envelope bytes (see :mod:`agent_dispatch.envelope`); it never interprets them beyond the
 routing keys it is handed, and it never decides a WorkItem's fate.
@@ -99,6 +100,20 @@ class AckMany(Protocol):
 
     def ack_many(self, receipts: Sequence[Receipt]) -> list[Receipt]:
         """Acknowledge every receipt it can; return those refused as stale or foreign (never raises ``Fenced``)."""
+
+
+@runtime_checkable
+class WakesClaims(Protocol):
+    """A transport whose waiting claims can be cut short.
+
+    A stopping worker's claim loops wait in ``claim(wait_s=...)``. Woken, every claim waiting in
+    this process returns what it has (often nothing) at once, so the loops see the stop and the
+    worker's shutdown does not wait out their wait. A claim woken this way is an empty claim, as
+    after its wait: callers that are not stopping simply claim again.
+    """
+
+    def wake_claims(self) -> None:
+        """Make the claims now waiting in this process return without waiting further."""
 
 
 @runtime_checkable

@@ -53,6 +53,7 @@ class MemoryTransport:
         self._seq = itertools.count()
         self._tokens = itertools.count(1)
         self._cond = threading.Condition()
+        self._wakeups = 0  # wake_claims() calls: a claim that sees it change returns
         #: Tests flip this to simulate a failing depth probe.
         self.probe_fails = False
 
@@ -75,12 +76,13 @@ class MemoryTransport:
     def claim(self, owner: str, *, max_items: int = 1, wait_s: float = 0.0) -> list[Delivery]:
         give_up = time.monotonic() + wait_s
         with self._cond:
+            woken = self._wakeups
             while True:
                 now = self._clock()
                 visible = sorted(
                     (r for r in self._rows.values() if r.visible_at <= now), key=lambda r: r.order(now)
                 )[:max_items]
-                if visible or time.monotonic() >= give_up:
+                if visible or time.monotonic() >= give_up or self._wakeups != woken:
                     break
                 self._cond.wait(timeout=min(0.05, max(give_up - time.monotonic(), 0.0)))
             out = []
@@ -95,6 +97,11 @@ class MemoryTransport:
                 )
                 row.deliveries += 1
             return out
+
+    def wake_claims(self) -> None:
+        with self._cond:
+            self._wakeups += 1
+            self._cond.notify_all()
 
     def _owned(self, receipt: Receipt) -> _Row:
         work_item_id = receipt.token.rsplit(":", 1)[0]

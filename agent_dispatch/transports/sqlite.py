@@ -105,6 +105,7 @@ class SqliteTransport:
         # Wakes claimers in this process at once; other processes are found by polling.
         self._cond = threading.Condition()
         self._generation = 0
+        self._wakeups = 0  # wake_claims() calls: a claim that sees it change returns
         self._ready = False
 
     @classmethod
@@ -209,12 +210,13 @@ class SqliteTransport:
             return []
         self.ensure_ready()
         deadline = time.monotonic() + max(wait_s, 0.0)
+        woken = self._wakeups
         while True:
             with self._cond:
                 seen = self._generation
             got = self._claim_once(owner, max_items)
             remaining = deadline - time.monotonic()
-            if got or remaining <= 0 or self._db.closed:
+            if got or remaining <= 0 or self._db.closed or self._wakeups != woken:
                 return got
             self._wait(seen, min(remaining, self.poll_interval_s))
 
@@ -299,3 +301,8 @@ class SqliteTransport:
         with self._cond:
             self._generation += 1
             self._cond.notify_all()
+
+    def wake_claims(self) -> None:
+        with self._cond:
+            self._wakeups += 1
+        self._wake()

@@ -33,7 +33,7 @@ from agent_dispatch.lease import LeaseRenewer, SessionHold, WorkItemLeaseGuard, 
 from agent_dispatch.models import Lease, Outcome, WorkItem, WorkState
 from agent_dispatch.settings import Settings
 from agent_dispatch.store import WorkItemStore
-from agent_dispatch.transport import AckMany, Delivery, Transport
+from agent_dispatch.transport import AckMany, Delivery, Transport, WakesClaims
 from agent_dispatch.worker import _metrics as m
 from agent_dispatch.worker._batch import BUSY_DELAY_S, Batch, InFlight
 from agent_dispatch.worker._executors import Executor, TurnFailed, run_executor
@@ -133,6 +133,8 @@ class Worker:
         self.state.draining = True
         self.state.ready = False
         self._stop_claiming.set()
+        if isinstance(self.transport, WakesClaims):
+            self.transport.wake_claims()  # the loops waiting in a claim see the stop now
         deadline = time.monotonic() + grace
         while self._in_flight and time.monotonic() < deadline:
             time.sleep(0.05)

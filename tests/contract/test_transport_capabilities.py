@@ -4,6 +4,8 @@ admission strategy a store/transport pair gets follows from them (``dispatch.cho
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from agent_dispatch.models import SubmitRequest, WorkItem
 from agent_dispatch.runtime import Runtime, open_runtime
 from agent_dispatch.settings import Backend
 from agent_dispatch.store import BatchSubmit, CountsUnfinished, TransactionalSubmit
-from agent_dispatch.transport import AckMany, AdmitOnConnection, Receipt, Transport
+from agent_dispatch.transport import AckMany, AdmitOnConnection, Receipt, Transport, WakesClaims
 from tests.contract._transport_harness import (
     ALL_BACKENDS,
     MEMORY,
@@ -29,9 +31,9 @@ from tests.contract._transport_harness import (
 
 #: What each implementation offers beyond the Transport Protocol (a change here is a decision).
 CAPABILITIES: dict[Backend | str, set[type]] = {
-    MEMORY: {AckMany},
-    Backend.SQLITE: {AckMany, AdmitOnConnection},
-    Backend.POSTGRES: {AckMany, AdmitOnConnection},
+    MEMORY: {AckMany, WakesClaims},
+    Backend.SQLITE: {AckMany, AdmitOnConnection, WakesClaims},
+    Backend.POSTGRES: {AckMany, AdmitOnConnection, WakesClaims},
     Backend.KAFKA: set(),
 }
 IDENTITY: dict[Backend | str, Backend | None] = {
@@ -54,8 +56,44 @@ def test_each_transport_names_itself_and_has_exactly_its_capabilities(
     transport = make_transport()
     assert isinstance(transport, Transport)
     assert transport.backend is IDENTITY[backend], "the memory transport must not pose as a real backend"
-    offered = {cap for cap in (AckMany, AdmitOnConnection) if isinstance(transport, cap)}
+    offered = {cap for cap in (AckMany, AdmitOnConnection, WakesClaims) if isinstance(transport, cap)}
     assert offered == CAPABILITIES[backend]
+
+
+def test_wake_claims_ends_a_waiting_claim_and_later_claims_still_wait(
+    request: pytest.FixtureRequest, make_transport: MakeTransport
+) -> None:
+    """A stopping worker wakes its claim loops: the claims waiting return (empty) long before
+    their wait is out, and a claim made afterwards waits and delivers as before."""
+    transport = make_transport()
+    if WakesClaims not in CAPABILITIES[backend_of(request)]:
+        assert not isinstance(transport, WakesClaims)
+        return
+    assert isinstance(transport, WakesClaims)
+    transport.claim("w1", wait_s=0)  # any lazy start-up (schema, listener) done before the wait
+    results: list[list[Any]] = []
+    waiting = [
+        threading.Thread(target=lambda: results.append(transport.claim("w1", wait_s=60))) for _ in range(3)
+    ]
+    for thread in waiting:
+        thread.start()
+    time.sleep(0.3)  # the claims are in their wait
+    assert all(thread.is_alive() for thread in waiting), "a claim returned before the wake"
+    transport.wake_claims()
+    woken_by = time.monotonic() + 15  # (a claim not woken would wait its 60 s)
+    for thread in waiting:
+        thread.join(timeout=max(0.0, woken_by - time.monotonic()))
+    assert not any(thread.is_alive() for thread in waiting), "wake_claims left a claim waiting"
+    assert results == [[], [], []]
+    later: list[list[Any]] = []
+    thread = threading.Thread(target=lambda: later.append(transport.claim("w1", wait_s=60)))
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive(), "a claim made after the wake did not wait"
+    sent = turn(1)
+    transport.admit([sent])
+    thread.join(timeout=20)
+    assert [d.work_item_id for d in later[0]] == [sent.work_item_id]
 
 
 def test_ack_many_acknowledges_its_own_and_returns_the_rest(

@@ -81,6 +81,10 @@ class _Waker:
             else:
                 self._cond.notify()
 
+    def wake_all(self) -> None:
+        """Wake every waiting claimer (``PostgresTransport.wake_claims``)."""
+        self._bump(everyone=True)
+
     def pass_on(self) -> None:
         """Wake one more waiting claimer: the last claim was full, so more work may be queued."""
         self._bump()

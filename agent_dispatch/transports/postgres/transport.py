@@ -99,6 +99,7 @@ class PostgresTransport:
         self._ref_key: bytes | None = None
         self._lock = threading.Lock()
         self._waker: _Waker | None = None
+        self._wakeups = 0  # wake_claims() calls: a claim that sees it change returns
         self._closed = False
 
     @classmethod
@@ -262,6 +263,7 @@ class PostgresTransport:
             self._start_maintenance()
         deadline = time.monotonic() + max(wait_s, 0.0)
         waker = self._get_waker() if wait_s > 0 else None
+        woken = self._wakeups
         while True:
             # Read the wake-up generation before trying, so a notify in between is not lost.
             seen = waker.generation if waker else 0
@@ -269,9 +271,16 @@ class PostgresTransport:
             if waker is not None and len(got) == max_items:
                 waker.pass_on()
             remaining = deadline - time.monotonic()
-            if got or remaining <= 0 or waker is None:
+            if got or remaining <= 0 or waker is None or self._wakeups != woken:
                 return got
             waker.wait(seen, min(remaining, self.poll_interval_s))
+
+    def wake_claims(self) -> None:
+        with self._lock:
+            self._wakeups += 1
+            waker = self._waker
+        if waker is not None:
+            waker.wake_all()
 
     def _claim_once(self, owner: str, max_items: int) -> list[Delivery]:
         with self._conn() as conn:
