@@ -81,7 +81,7 @@ def kafka_cluster() -> Iterator[KafkaCluster]:
     """Three KRaft nodes, replication factor 3, ``min.insync.replicas=2`` (started on first use)."""
     cluster = KafkaCluster()
     try:
-        yield start_or_skip("kafka", cluster.start)
+        yield start_or_skip("kafka-cluster", cluster.start)
     finally:
         cluster.close()
 
