@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from psycopg_pool import ConnectionPool
@@ -132,13 +131,13 @@ def build_worker(
     parts = runtime if runtime is not None else open_runtime(settings)
     store, transport, key = parts.store, parts.transport, parts.signing_key
 
-    session_connect: Callable[[], Any] | None = None
+    session_locks: SessionLockConnections | None = None
     if settings.state_db_uri is not None:
-        session_connect = SessionLockConnections(
+        session_locks = SessionLockConnections(
             settings.state_db_uri.get_secret_value(),
             idle_timeout_s=settings.claim_ttl_s,
             max_size=2 * (concurrency or settings.concurrency),
-        ).connect
+        )
 
     def redrive() -> int:
         return dispatch.redrive(store, transport, settings=settings, signing_key=key)
@@ -150,8 +149,10 @@ def build_worker(
         executor,
         signing_key=key,
         concurrency=concurrency,
-        session_connect=session_connect,
+        session_connect=session_locks.connect if session_locks is not None else None,
         redrive=redrive,
+        # A pool never closed is closed by its finalizer, which waits up to 5 s for its threads.
+        on_stopped=session_locks.close if session_locks is not None else None,
     )
 
 

@@ -89,7 +89,10 @@ class Worker:
         worker_id: str | None = None,
         session_connect: Callable[[], Any] | None = None,
         redrive: Callable[[], int] | None = None,
+        on_stopped: Callable[[], None] | None = None,
     ) -> None:
+        """``on_stopped`` runs once :meth:`stop` is done: it closes what the assembly opened for
+        this worker alone (the session locks' connections)."""
         self.settings = settings
         self.store = store
         self.transport = transport
@@ -99,6 +102,7 @@ class Worker:
         self.worker_id = worker_id or settings.worker_id or f"w-{uuid.uuid4().hex[:10]}"
         self.session_connect = session_connect
         self.redrive = redrive
+        self._on_stopped = on_stopped
         self.state = WorkerState()
         self._stop_claiming = threading.Event()
         self._stopped = threading.Event()
@@ -146,6 +150,8 @@ class Worker:
         for thread in self._threads:
             thread.join(timeout=1.0)
         self.renewer.close()
+        if self._on_stopped is not None:
+            self._on_stopped()
         log.info("worker stopped", extra={"worker_id": self.worker_id, "released": len(leftovers)})
 
     def _hand_back(self, flight: InFlight) -> None:

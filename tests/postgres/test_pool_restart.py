@@ -48,6 +48,7 @@ def parts(postgres_dsn: str) -> Iterator[tuple[PostgresStore, PostgresTransport,
     try:
         yield store, transport, sessions
     finally:
+        sessions.close()
         transport.close()
         store.close()
 
