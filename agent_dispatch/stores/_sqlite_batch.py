@@ -23,6 +23,9 @@ from agent_dispatch.stores._engine_rows import ROW_FIELDS, Row
 
 _SQL: Final = sql.load(__package__ or "agent_dispatch.stores", "sql/sqlite_batch.sql")
 _COMMIT_MANY: Final = _SQL["commit_many"].format(columns=", ".join(ROW_FIELDS))
+#: Whether a row can be leased now: the one text every claim of the SQLite store uses.
+CLAIMABLE: Final = _SQL["claimable"]
+_START_CANDIDATES: Final = _SQL["start_candidates"].format(claimable=CLAIMABLE)
 _LEASED: Final = frozenset({"leased", "running"})
 
 
@@ -99,9 +102,7 @@ def insert_new(tx: BatchTx, batch: list[Prepared], *, dispatched: bool) -> list[
 def start_many(tx: BatchTx, owner: str, wanted: list[tuple[str, str]], ttl: float) -> dict[str, StartedTurn]:
     """Lease and start the simply claimable items of ``wanted`` (id order); see ``StoreCalls.start_many``."""
     now = tx.now
-    candidates = tx.conn.execute(
-        _SQL["start_candidates"], {"claims": json.dumps(wanted), "now": now}
-    ).fetchall()
+    candidates = tx.conn.execute(_START_CANDIDATES, {"claims": json.dumps(wanted), "now": now}).fetchall()
     if not candidates:
         return {}
     (last,) = tx.conn.execute(_SQL["take_tokens"], {"n": len(candidates)}).fetchone()

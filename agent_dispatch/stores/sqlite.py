@@ -85,10 +85,6 @@ _UPDATE_FIELDS: Final = tuple(f for f in ROW_FIELDS if f not in {"seq", "id"})
 #: Where each of ``_UPDATE_FIELDS`` sits in a row read as ``SELECT {_COLUMNS}``.
 _UPDATE_POSITIONS: Final = tuple(ROW_FIELDS.index(f) for f in _UPDATE_FIELDS)
 _DISPATCHED_AT: Final = _UPDATE_FIELDS.index("last_dispatched_at")
-_CLAIMABLE: Final = (
-    "state IN ('ready', 'leased', 'running') AND CASE WHEN state = 'ready' THEN coalesce(not_before <= :now, 1)"
-    " ELSE lease_expires_at <= :now END"
-)
 
 
 def _to_db(name: str, value: Any) -> Any:
@@ -184,7 +180,7 @@ class _SqliteTx(SqliteInspectTx):
         return [str(rec[0]) for rec in rows.fetchall()]
 
     def first_claimable(self, queue: str | None, tenant: str | None) -> Row | None:
-        where = [_CLAIMABLE]
+        where = [_sqlite_batch.CLAIMABLE]
         if queue is not None:
             where.append("queue = :queue")
         if tenant is not None:

@@ -7,19 +7,23 @@
 -- engine's (agent_dispatch.stores._common: startable, fence_violation), as PostgreSQL's
 -- statements.sql has them; the contract suite runs both ways against the same tests.
 
+-- name: claimable
+-- Whether a row can be leased now: ready and due, or leased or running with its lease expired.
+-- Every claim of the SQLite store uses this one text (the claim of the next item, and {claimable}
+-- below), as PostgreSQL's claims use their `claimable`.
+state IN ('ready', 'leased', 'running')
+AND CASE WHEN state = 'ready' THEN coalesce(not_before <= :now, 1) ELSE lease_expires_at <= :now END
+
 -- name: start_candidates
--- The simply claimable items of [[id, tenant], ...]: the tenant as named; ready and due, or
--- leased with an expired lease; an attempt left; the deadline not passed. In id order, which is
--- the order their fencing tokens are given in.
+-- The simply claimable items of [[id, tenant], ...]: the tenant as named; claimable; an attempt
+-- left; the deadline not passed. In id order, which is the order their fencing tokens are given in.
 SELECT w.id, w.state, w.lease_owner
 FROM json_each(:claims) AS req
 JOIN agent_dispatch_work_items AS w ON w.id = json_extract(req.value, '$[0]')
 WHERE w.tenant = json_extract(req.value, '$[1]')
   AND w.attempt < w.max_attempts
   AND (w.deadline IS NULL OR w.deadline > :now)
-  AND CASE WHEN w.state = 'ready' THEN coalesce(w.not_before <= :now, 1)
-           WHEN w.state IN ('leased', 'running') THEN coalesce(w.lease_expires_at <= :now, 1)
-           ELSE 0 END
+  AND {claimable}
 ORDER BY w.id
 
 -- name: start_many
