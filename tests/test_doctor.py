@@ -51,11 +51,13 @@ def test_lease_recovery_warns_when_sweep_pushes_past_rto() -> None:
     assert "exceeds the 300s RTO" in check.detail
 
 
-def test_doctor_cli_table_and_json() -> None:
-    proc = run_doctor({"AGENT_DISPATCH_SIGNING_KEY": "k" * 40})
-    assert proc.returncode == 0, proc.stderr
+def test_doctor_cli_table_and_json(tmp_path: Path) -> None:
+    # A data directory of its own: the user's default one may hold a database in any state.
+    own = {"AGENT_DISPATCH_DATA_DIR": str(tmp_path / "data")}
+    proc = run_doctor({**own, "AGENT_DISPATCH_SIGNING_KEY": "k" * 40})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "dispatch_lease_recovery  ok" in proc.stdout
-    proc = run_doctor({}, "--json")
+    proc = run_doctor(own, "--json")
     report = json.loads(proc.stdout)
     names = {c["name"]: c for c in report["checks"]}
     assert names["dispatch_lease_recovery"]["data"]["rto_s"] == 300
