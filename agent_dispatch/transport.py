@@ -3,10 +3,10 @@
 Beside it, the optional capabilities a transport may have, each a Protocol of its own:
 :class:`AckMany` (acknowledge a batch at once), :class:`WakesClaims` (cut waiting claims short)
 and :class:`AdmitOnConnection` (admit inside the WorkItem store's transaction when both share one
-database). Every implementation obeys
-``tests/contract/test_transport_contract.py``, capabilities included. A transport carries
-signed envelope bytes (see :mod:`agent_dispatch.envelope`); it never interprets them beyond the
-routing keys it is handed, and it never decides a WorkItem's fate.
+database). Every implementation obeys ``tests/contract/test_transport_contract.py``,
+capabilities included. A transport carries signed envelope bytes (see
+:mod:`agent_dispatch.envelope`); it never interprets them beyond the routing keys it is handed,
+and it never decides a WorkItem's fate.
 """
 
 from __future__ import annotations
