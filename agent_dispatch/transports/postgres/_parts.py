@@ -130,10 +130,14 @@ class _Maintenance:
             try:
                 self._maintain()
             except (BackendUnavailable, psycopg.Error) as exc:  # claims report outages; retried next tick
-                log.warning("queue maintenance failed: %s", exc)
+                if not self._stop.is_set():  # (closing the pool under a pass fails it; nothing to report)
+                    log.warning("queue maintenance failed: %s", exc)
             except Exception:
                 log.exception("queue maintenance failed")
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """No further pass; one under way ends with it (see :meth:`join`)."""
         self._stop.set()
+
+    def join(self) -> None:
         self._thread.join(timeout=5)

@@ -168,12 +168,17 @@ class PostgresTransport:
             waker, self._waker = self._waker, None
             maintenance, self._maintenance = self._maintenance, None
             pool, self._pool = self._pool, None
+        # The pool closes before the maintenance thread is joined: a pass waiting for a pooled
+        # connection then fails at once, where it kept close() waiting for the pool's timeout
+        # (seen as 11 s teardowns in the tests).
         if maintenance is not None:
-            maintenance.close()
+            maintenance.stop()
         if waker is not None:
             waker.close()
         if pool is not None:
             pool.close()
+        if maintenance is not None:
+            maintenance.join()
 
     # -- opaque scheduling references --------------------------------------------------------
 
