@@ -151,7 +151,8 @@ def build_worker(
         concurrency=concurrency,
         session_connect=session_locks.connect if session_locks is not None else None,
         redrive=redrive,
-        # A pool never closed is closed by its finalizer, which waits up to 5 s for its threads.
+        # Closed when the worker stops; nothing else holds it (left open, its threads and idle
+        # connection lived on until some later garbage collection).
         on_stopped=session_locks.close if session_locks is not None else None,
     )
 
