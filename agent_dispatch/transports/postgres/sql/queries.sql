@@ -21,6 +21,9 @@ SELECT value FROM agent_dispatch_queue_meta WHERE key = 'ref_salt'
 -- name: admit
 SELECT agent_dispatch_queue_admit(%b::text[], %b::text[], %b::bytea[], %b::bytea[], %b::integer[], %b::timestamptz[], %b::timestamptz[], %b::bytea[], %s::bigint)
 
+-- name: admit_one
+SELECT agent_dispatch_queue_admit_one(%s::text, %s::text, %s::bytea, %s::bytea, %s::integer, %s::timestamptz, %s::timestamptz, %s::bytea, %s::bigint)
+
 -- name: depth
 SELECT depth FROM agent_dispatch_queue_depth
 

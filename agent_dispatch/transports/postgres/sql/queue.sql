@@ -478,6 +478,66 @@ BEGIN
 END
 $fn$;
 
+-- Admit one turn: agent_dispatch_queue_admit for a batch of one, with the same effects in the
+-- same lock order (queue row, tenant, group, tenant lane, group lane, count, depth). A lone
+-- submit's admission is most submits' (the enqueue path, the gateway at low load), and the batch
+-- function costs it three times the server time of this one (0.55 against 0.19 ms per call,
+-- measured 2026-12-07): unnesting, aggregating and re-planning arrays of one. The two are kept
+-- equal by tests/postgres/test_pg_admit_one.py, which admits the same turns both ways.
+CREATE OR REPLACE FUNCTION agent_dispatch_queue_admit_one(
+    p_work_item_id text, p_session_id text, p_tenant_ref bytea, p_group_ref bytea,
+    p_priority integer, p_deadline timestamptz, p_not_before timestamptz, p_wire bytea, p_bound bigint)
+RETURNS bigint
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    c_new_base CONSTANT bigint := -4611686018427387904;  -- as in agent_dispatch_queue_admit
+    v_ready integer := (p_not_before IS NULL OR p_not_before <= now())::integer;
+    v_depth bigint;
+BEGIN
+    INSERT INTO agent_dispatch_queue AS q
+           (work_item_id, session_id, tenant_ref, group_ref, priority, deadline, state, visible_at, wire)
+    VALUES (p_work_item_id, p_session_id, p_tenant_ref, p_group_ref, p_priority, p_deadline,
+            CASE WHEN v_ready = 1 THEN 'r' ELSE 'd' END::"char", greatest(coalesce(p_not_before, now()), now()), p_wire)
+    ON CONFLICT (work_item_id) DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN 0;  -- already queued: never a second delivery
+    END IF;
+    -- The tenant row locked (or made) first, as in the batch function.
+    INSERT INTO agent_dispatch_queue_tenant AS t (tenant_ref, served)
+    VALUES (p_tenant_ref, c_new_base + nextval('agent_dispatch_queue_serve_seq'))
+    ON CONFLICT (tenant_ref) DO UPDATE SET served = t.served WHERE false;
+    INSERT INTO agent_dispatch_queue_group (tenant_ref, group_ref, served)
+    VALUES (p_tenant_ref, p_group_ref, c_new_base + nextval('agent_dispatch_queue_serve_seq'))
+    ON CONFLICT (tenant_ref, group_ref) DO NOTHING;
+    INSERT INTO agent_dispatch_queue_tenant_lane AS l (tenant_ref, priority, tenant_served, ready)
+    SELECT p_tenant_ref, p_priority, t.served, v_ready FROM agent_dispatch_queue_tenant t WHERE t.tenant_ref = p_tenant_ref
+    ON CONFLICT (tenant_ref, priority) DO UPDATE SET ready = l.ready + excluded.ready;
+    INSERT INTO agent_dispatch_queue_group_lane AS l (tenant_ref, group_ref, priority, group_served, ready)
+    SELECT p_tenant_ref, p_group_ref, p_priority, g.served, v_ready FROM agent_dispatch_queue_group g
+     WHERE g.tenant_ref = p_tenant_ref AND g.group_ref = p_group_ref
+    ON CONFLICT (tenant_ref, group_ref, priority) DO UPDATE SET ready = l.ready + excluded.ready;
+    INSERT INTO agent_dispatch_queue_count AS c (tenant_ref, group_ref, queued)
+    VALUES (p_tenant_ref, p_group_ref, 1)
+    ON CONFLICT (tenant_ref, group_ref) DO UPDATE SET queued = c.queued + 1;
+    IF p_bound IS NULL THEN
+        UPDATE agent_dispatch_queue_depth SET depth = depth + 1;
+    ELSE
+        UPDATE agent_dispatch_queue_depth SET depth = depth + 1 WHERE depth + 1 <= p_bound
+        RETURNING depth INTO v_depth;
+        IF NOT FOUND THEN
+            IF NOT EXISTS (SELECT FROM agent_dispatch_queue_depth) THEN
+                RAISE EXCEPTION 'the queue depth counter row is missing' USING ERRCODE = 'AD002';
+            END IF;
+            RAISE EXCEPTION 'queue depth would exceed %', p_bound USING ERRCODE = 'AD001';
+        END IF;
+    END IF;
+    IF v_ready = 1 THEN
+        PERFORM pg_notify('agent_dispatch_queue', '');
+    END IF;
+    RETURN 1;
+END
+$fn$;
+
 -- Acknowledge (delete) claimed rows whose receipt still matches: owner, token and claim time.
 -- Returns the ids removed; a receipt not among them was stale or foreign.
 --
