@@ -138,20 +138,33 @@ def test_a_batch_of_one_is_read_by_primary_key_under_a_plan_made_on_an_empty_tab
     store: PostgresStore, postgres_dsn: str
 ) -> None:
     """A batch of one (an idle worker's claim) is started by START_ONE, whose scalar parameters let
-    the plan cache keep a generic plan (START_MANY's arrays are planned afresh on every call). A
-    connection may make that plan while the table is nearly empty, as a worker started with the
-    system does, and keep it while the table grows: it must still read only the named row."""
+    the plan cache keep a generic plan (START_MANY's arrays are planned afresh on every call), and
+    committed by COMMIT_FAST for the same reason. A connection may make those plans while the table
+    is nearly empty, as a worker started with the system does, and keep them while the table grows
+    and holds hundreds of live leases: they must still read only the named row."""
     params: dict[str, Any] = {"off": 0.0, "owner": "w2", "ttl": 30.0, "id": "absent", "tenant": "t1"}
+    commit: dict[str, Any] = {
+        **params,
+        **{"epoch": 1, "token": 1, "state": "succeeded", "outcome": "succeeded", "error": None},
+    }
     with psycopg.connect(postgres_dsn) as conn:
         conn.execute("SET plan_cache_mode = force_generic_plan")
         conn.commit()
         with conn.transaction(force_rollback=True):
             assert conn.execute(pg.START_ONE, params, prepare=True).fetchall() == []
+            assert conn.execute(pg.COMMIT_FAST, commit, prepare=True).fetchall() == []
         requests = [SubmitRequest(tenant="t1", kind="turn", payload=b"p") for _ in range(4000)]
         ids = [r.item.id for r in store.submit_many_in_transaction(requests, lambda conn, items: None)]  # type: ignore[union-attr]
+        held = store.start_many("w3", [(item_id, "t1") for item_id in ids[1:301]])
         assert _rows_read(conn, pg.START_ONE, {**params, "id": ids[-1]}) <= 8
+        lease = next(iter(held.values())).lease
+        fenced = {"id": lease.work_item_id, "owner": lease.owner, "epoch": lease.lease_epoch}
+        assert _rows_read(conn, pg.COMMIT_FAST, {**commit, **fenced, "token": lease.fencing_token}) <= 8
+    # A batch of one goes by these scalar statements: started, then committed.
     started = store.start_many("w1", [(ids[0], "t1")])
     assert set(started) == {ids[0]} and store.get(ids[0]).state is WorkState.RUNNING
+    committed = store.commit_many([(started[ids[0]].lease, Outcome.SUCCEEDED, None)])
+    assert set(committed) == {ids[0]} and store.get(ids[0]).state is WorkState.SUCCEEDED
 
 
 # Text that array literals must quote or escape: quotes, backslashes, braces, commas, spaces,

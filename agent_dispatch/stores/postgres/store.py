@@ -224,6 +224,15 @@ class PostgresStore(Inspecting, Submitting):
         conn.execute(MARK_DISPATCHED, self._p(ids=work_item_ids))
 
     def _commit_many(self, wanted: list[tuple[Lease, Outcome, str | None]]) -> dict[str, WorkItem]:
+        if len(wanted) == 1:
+            # A batch of one (an idle worker's turn) by the scalar statement: COMMIT_MANY's arrays
+            # are planned afresh on every call (0.5 ms of planning against 0.45 of running it).
+            ((lease, outcome, error),) = wanted
+            params = self._fence_params(
+                lease, state=COMMIT_STATE[outcome].value, outcome=outcome.value, error=error
+            )
+            rec = self._run(lambda conn: self._one(conn, COMMIT_FAST, params), transaction=False)
+            return {} if rec is None else {rec["id"]: make_item(rec)}
         params = self._p(
             ids=[lease.work_item_id for lease, _, _ in wanted],
             tenants=[lease.tenant for lease, _, _ in wanted],
