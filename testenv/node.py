@@ -555,7 +555,7 @@ def _kill_containers(cluster: NodeCluster) -> None:
     One ``ctr tasks delete --force`` for all of them (it kills each task's process and waits for
     it): a kill and then a delete per task, each its own ``ctr`` process, took about 30 s.
     """
-    deadline, listing = time.monotonic() + 30, ["?"]
+    deadline, listing = time.monotonic() + 30, list[str]()
     while time.monotonic() < deadline:
         listing = cluster.ctr("tasks", "list", "--quiet", check=False).stdout.split()
         if not listing:

@@ -145,7 +145,11 @@ def test_a_batch_of_one_is_read_by_primary_key_under_a_plan_made_on_an_empty_tab
     params: dict[str, Any] = {"off": 0.0, "owner": "w2", "ttl": 30.0, "id": "absent", "tenant": "t1"}
     commit: dict[str, Any] = {
         **params,
-        **{"epoch": 1, "token": 1, "state": "succeeded", "outcome": "succeeded", "error": None},
+        "epoch": 1,
+        "token": 1,
+        "state": "succeeded",
+        "outcome": "succeeded",
+        "error": None,
     }
     with psycopg.connect(postgres_dsn) as conn:
         conn.execute("SET plan_cache_mode = force_generic_plan")
