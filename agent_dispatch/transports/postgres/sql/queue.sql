@@ -379,6 +379,28 @@ BEGIN
 END
 $fn$;
 
+-- Compare-and-admit p_n more turns on the depth counter row, last in every admission's lock
+-- order: O(1), never COUNT(*). p_bound NULL re-drives without the bound. The one place that
+-- decides a refusal (AD001) and an unknown depth (AD002), for both admission functions below.
+CREATE OR REPLACE FUNCTION agent_dispatch_queue_take_room(p_n bigint, p_bound bigint)
+RETURNS void
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF p_bound IS NULL THEN
+        UPDATE agent_dispatch_queue_depth SET depth = depth + p_n;
+        RETURN;
+    END IF;
+    UPDATE agent_dispatch_queue_depth SET depth = depth + p_n WHERE depth + p_n <= p_bound;
+    IF NOT FOUND THEN
+        IF NOT EXISTS (SELECT FROM agent_dispatch_queue_depth) THEN
+            -- The depth is unknown, never taken as zero or as full.
+            RAISE EXCEPTION 'the queue depth counter row is missing' USING ERRCODE = 'AD002';
+        END IF;
+        RAISE EXCEPTION 'queue depth would exceed %', p_bound USING ERRCODE = 'AD001';
+    END IF;
+END
+$fn$;
+
 -- Admit a batch all-or-nothing; p_bound NULL re-drives without the bound. Work items that
 -- already have a queued delivery are skipped (never a second delivery). Returns rows inserted.
 CREATE OR REPLACE FUNCTION agent_dispatch_queue_admit(
@@ -394,7 +416,6 @@ DECLARE
     a_prios   integer[];
     a_ready   integer[];
     v_n       bigint;
-    v_depth   bigint;
 BEGIN
     -- (The cheap refusal under overload is the enqueue path's depth pre-check; here only the
     -- counter decides, after the rows, so a replay of an already queued turn is never refused.)
@@ -457,20 +478,7 @@ BEGIN
      GROUP BY u.t, u.g
      ORDER BY u.t, u.g
     ON CONFLICT (tenant_ref, group_ref) DO UPDATE SET queued = c.queued + excluded.queued;
-    -- Compare-and-admit on the counter row, last in the lock order: O(1), never COUNT(*).
-    IF p_bound IS NULL THEN
-        UPDATE agent_dispatch_queue_depth SET depth = depth + v_n;
-    ELSE
-        UPDATE agent_dispatch_queue_depth SET depth = depth + v_n WHERE depth + v_n <= p_bound
-        RETURNING depth INTO v_depth;
-        IF NOT FOUND THEN
-            IF NOT EXISTS (SELECT FROM agent_dispatch_queue_depth) THEN
-                -- The depth is unknown, never taken as zero or as full.
-                RAISE EXCEPTION 'the queue depth counter row is missing' USING ERRCODE = 'AD002';
-            END IF;
-            RAISE EXCEPTION 'queue depth would exceed %', p_bound USING ERRCODE = 'AD001';
-        END IF;
-    END IF;
+    PERFORM agent_dispatch_queue_take_room(v_n, p_bound);
     IF 1 = ANY(a_ready) THEN
         PERFORM pg_notify('agent_dispatch_queue', '');
     END IF;
@@ -492,7 +500,6 @@ LANGUAGE plpgsql AS $fn$
 DECLARE
     c_new_base CONSTANT bigint := -4611686018427387904;  -- as in agent_dispatch_queue_admit
     v_ready integer := (p_not_before IS NULL OR p_not_before <= now())::integer;
-    v_depth bigint;
 BEGIN
     INSERT INTO agent_dispatch_queue AS q
            (work_item_id, session_id, tenant_ref, group_ref, priority, deadline, state, visible_at, wire)
@@ -519,18 +526,7 @@ BEGIN
     INSERT INTO agent_dispatch_queue_count AS c (tenant_ref, group_ref, queued)
     VALUES (p_tenant_ref, p_group_ref, 1)
     ON CONFLICT (tenant_ref, group_ref) DO UPDATE SET queued = c.queued + 1;
-    IF p_bound IS NULL THEN
-        UPDATE agent_dispatch_queue_depth SET depth = depth + 1;
-    ELSE
-        UPDATE agent_dispatch_queue_depth SET depth = depth + 1 WHERE depth + 1 <= p_bound
-        RETURNING depth INTO v_depth;
-        IF NOT FOUND THEN
-            IF NOT EXISTS (SELECT FROM agent_dispatch_queue_depth) THEN
-                RAISE EXCEPTION 'the queue depth counter row is missing' USING ERRCODE = 'AD002';
-            END IF;
-            RAISE EXCEPTION 'queue depth would exceed %', p_bound USING ERRCODE = 'AD001';
-        END IF;
-    END IF;
+    PERFORM agent_dispatch_queue_take_room(1, p_bound);
     IF v_ready = 1 THEN
         PERFORM pg_notify('agent_dispatch_queue', '');
     END IF;
