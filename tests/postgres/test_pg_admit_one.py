@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from agent_dispatch.errors import DepthUnavailable, QueueFull
 from agent_dispatch.transport import OutboundTurn
 from agent_dispatch.transports.postgres import PostgresTransport
-from agent_dispatch.transports.postgres import schema as _pg_schema
+from tests.postgres._queue import reset_queue
 
 pytestmark = pytest.mark.postgres
 
@@ -39,12 +39,6 @@ def queue(postgres_dsn: str) -> Iterator[PostgresTransport]:
     q.ensure_ready()
     yield q
     q.close()
-
-
-def reset(dsn: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("TRUNCATE " + ", ".join(_pg_schema.TABLES[:-1]))
-        conn.execute("UPDATE agent_dispatch_queue_depth SET depth = 0")
 
 
 def state(dsn: str) -> dict[str, Any]:
@@ -125,11 +119,11 @@ def test_one_at_a_time_leaves_what_batches_leave(
     distinct = len(first)
 
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:
-        reset(postgres_dsn)
+        reset_queue(postgres_dsn)
         inserted_alone = sum(queue.admit_on(conn, [t]) for t in turns)
         alone = state(postgres_dsn)
 
-        reset(postgres_dsn)
+        reset_queue(postgres_dsn)
         inserted_batched, start = 0, 0
         for size in [*cuts, len(turns)]:
             inserted_batched += queue.admit_on(conn, turns[start : start + size])

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from agent_dispatch.transport import OutboundTurn
 from agent_dispatch.transports.postgres import PostgresTransport
 from agent_dispatch.transports.postgres import schema as _pg_schema
+from tests.postgres._queue import reset_queue
 
 pytestmark = pytest.mark.postgres
 
@@ -36,12 +37,6 @@ def transport(postgres_dsn: str) -> Iterator[PostgresTransport]:
     queue.ensure_ready()
     yield queue
     queue.close()
-
-
-def reset(dsn: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("TRUNCATE " + ", ".join(_pg_schema.TABLES[:-1]))
-        conn.execute("UPDATE agent_dispatch_queue_depth SET depth = 0")
 
 
 @dataclass(frozen=True)
@@ -139,7 +134,7 @@ def test_claim_order_matches_the_reference_sort(
     specs: list[tuple[str, str, int, str, int]],
     batch_sizes: list[int],
 ) -> None:
-    reset(postgres_dsn)
+    reset_queue(postgres_dsn)
     reference = Reference()
     # Serving history through the public API: each history turn is the only claimable row when
     # it is claimed, and it stays claimed (unacknowledged) so its history is not pruned.
@@ -258,7 +253,7 @@ def claim_in_batches(
     """Admit one turn per (tenant, group, priority) shape, one at a time, then claim batches of
     ``max_items`` (acknowledging the ``acked`` part of each) until none is left: the reference
     order, the claimed order and the batch sizes."""
-    reset(postgres_dsn)
+    reset_queue(postgres_dsn)
     reference = Reference()
     rows: list[Row] = []
     for idx, (tenant, group, priority) in enumerate(shapes):
