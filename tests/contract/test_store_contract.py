@@ -787,6 +787,13 @@ def test_one_leader_at_a_time(h: Harness) -> None:
     assert b.try_lead("another-duty")
     a.close()
     assert b.try_lead("recovery-sweep")
+    # close() hands the lead over before it returns, not once the server gets round to ending
+    # the closed session: the next leader's first try must win, every time.
+    for _ in range(20):
+        successor = h.open()
+        b.close()
+        assert successor.try_lead("recovery-sweep")
+        b = successor
 
 
 def _fresh_store(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> WorkItemStore:

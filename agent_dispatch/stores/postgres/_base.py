@@ -5,6 +5,7 @@ dead-letter retry share), and leader election. Transitions live in ``_submit``, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -299,5 +300,9 @@ class PostgresBase(StoreCalls):
         with self._lock:
             leaders, self._leaders = self._leaders, {}
         for conn in leaders.values():
-            conn.close()  # ends the session, which releases its advisory locks
+            # Closing the session releases its locks too, but only once the server has read the
+            # goodbye: unlocking first hands the lead over before close() returns.
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("SELECT pg_advisory_unlock_all()")
+            conn.close()
         self._pool.close()
