@@ -555,12 +555,18 @@ def _kill_containers(cluster: NodeCluster) -> None:
     One ``ctr tasks delete --force`` for all of them (it kills each task's process and waits for
     it): a kill and then a delete per task, each its own ``ctr`` process, took about 30 s.
     """
-    deadline, listing = time.monotonic() + 30, list[str]()
-    while time.monotonic() < deadline:
-        listing = cluster.ctr("tasks", "list", "--quiet", check=False).stdout.split()
-        if not listing:
-            return
+
+    def listed() -> list[str]:
+        return cluster.ctr("tasks", "list", "--quiet", check=False).stdout.split()
+
+    deadline, listing = time.monotonic() + 30, listed()
+    while listing and time.monotonic() < deadline:
         cluster.ctr("tasks", "delete", "--force", *listing, check=False, timeout=30)
+        listing = listed()
+        if listing:
+            time.sleep(0.5)  # a task that outlived the delete gets a moment, not a ctr call per instant
+    if not listing:
+        return
     progress(f"node: tasks still listed after 30 s: {' '.join(listing)}")
 
 
