@@ -219,13 +219,24 @@ def _pause_image(daemon: DockerDaemon, out: Path) -> None:
     partial.rename(out)
 
 
-def _wheelhouse(target: Path) -> None:
-    """The dependencies as wheels, built by the host's pip (the image's Python is also 3.11)."""
+def wheelhouse(target: Path) -> None:
+    """The dependencies as wheels, built by the host's pip (the image's Python is also 3.11).
+
+    The image build and the clean-venv test of its install script (tests/deploy) both install
+    from this, offline; the wheels are cached, so only new or changed dependencies are fetched."""
     target.mkdir(parents=True, exist_ok=True)
     for old in target.glob("*.whl"):
         old.unlink()
     cached = cache_dir("image", "wheels")
     log = cache_dir("logs") / "wheelhouse.log"
+    with file_lock(cache_dir("image") / "wheels.lock", BUILD_TIMEOUT_S + 60):
+        _fill_wheelhouse(cached, log)
+    for wheel in cached.glob("*.whl"):
+        if not wheel.name.startswith("agent_dispatch-"):
+            shutil.copy2(wheel, target / wheel.name)
+
+
+def _fill_wheelhouse(cached: Path, log: Path) -> None:
     run_logged(
         [
             sys.executable,
@@ -247,9 +258,6 @@ def _wheelhouse(target: Path) -> None:
         log,
         timeout=BUILD_TIMEOUT_S,
     )
-    for wheel in cached.glob("*.whl"):
-        if not wheel.name.startswith("agent_dispatch-"):
-            shutil.copy2(wheel, target / wheel.name)
 
 
 def build_images() -> BuiltImages:
@@ -268,8 +276,8 @@ def build_images() -> BuiltImages:
             _pause_image(daemon, pause_tar)
             if not app_tar.is_file():
                 progress(f"building {IMAGE_REF} from the Dockerfile (base {BASE_REF}, wheels from the host)")
-                wheelhouse = ROOT / "docker" / "wheelhouse"
-                _wheelhouse(wheelhouse)
+                wheels = ROOT / "docker" / "wheelhouse"
+                wheelhouse(wheels)
                 build = daemon.docker(
                     "build",
                     "--network=none",
