@@ -229,35 +229,33 @@ def wheelhouse(target: Path) -> None:
         old.unlink()
     cached = cache_dir("image", "wheels")
     log = cache_dir("logs") / "wheelhouse.log"
+    # Held while copying too: another process filling the cache meanwhile would leave a
+    # half-written wheel for this one to copy.
     with file_lock(cache_dir("image") / "wheels.lock", BUILD_TIMEOUT_S + 60):
-        _fill_wheelhouse(cached, log)
-    for wheel in cached.glob("*.whl"):
-        if not wheel.name.startswith("agent_dispatch-"):
-            shutil.copy2(wheel, target / wheel.name)
-
-
-def _fill_wheelhouse(cached: Path, log: Path) -> None:
-    run_logged(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--quiet",
-            "--wheel-dir",
-            cached,
-            "--find-links",
-            cached,
-            "--only-binary=:all:",
-            # The build backend, so the project's wheel builds offline inside the image.
-            "setuptools>=68",
-            "wheel",
-            "pip",
-            f"{ROOT}",
-        ],
-        log,
-        timeout=BUILD_TIMEOUT_S,
-    )
+        run_logged(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--quiet",
+                "--wheel-dir",
+                cached,
+                "--find-links",
+                cached,
+                "--only-binary=:all:",
+                # The build backend, so the project's wheel builds offline inside the image.
+                "setuptools>=68",
+                "wheel",
+                "pip",
+                f"{ROOT}",
+            ],
+            log,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        for wheel in cached.glob("*.whl"):
+            if not wheel.name.startswith("agent_dispatch-"):
+                shutil.copy2(wheel, target / wheel.name)
 
 
 def build_images() -> BuiltImages:
