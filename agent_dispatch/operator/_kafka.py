@@ -88,7 +88,7 @@ def consumer_lag(bootstrap_servers: str, topic: str, group: str) -> int | None:
             return None
         reader = kafka.offsets_reader(bootstrap_servers, group)
         try:
-            return kafka.consumer_group_lag(admin, topic, group, timeout_s=REQUEST_TIMEOUT_S, reader=reader)
+            return kafka.consumer_group_lag(topic, group, timeout_s=REQUEST_TIMEOUT_S, reader=reader)
         finally:
             reader.close()
     except (BackendUnavailable, DepthUnavailable) as exc:

@@ -479,11 +479,10 @@ def test_ensure_topic_creates_grows_and_refuses_a_decrease(
 def test_depth_probe_of_a_missing_topic_is_unavailable_not_zero(
     kafka_bootstrap: str, kafka_topic_name: str
 ) -> None:
-    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     reader = offsets_reader(kafka_bootstrap, "nobody")
     try:
         with pytest.raises(DepthUnavailable):
-            consumer_group_lag(admin, kafka_topic_name, "nobody", timeout_s=5, reader=reader)
+            consumer_group_lag(kafka_topic_name, "nobody", timeout_s=5, reader=reader)
     finally:
         reader.close()
 

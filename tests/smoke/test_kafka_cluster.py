@@ -87,7 +87,7 @@ def _depth_probes_stay_quiet(cluster: KafkaCluster, topic: str) -> None:
     broker threads reconnected without backoff (see ``_admin._watermarks``); that starved the
     brokers' restart on a 2-core machine. The bound is CPU time, a third of the wall time: the
     old probe used over four times the wall time."""
-    lag = GroupLag(admin_client(cluster.bootstrap), cluster.bootstrap, topic, f"probe-{uuid.uuid4().hex[:6]}")
+    lag = GroupLag(cluster.bootstrap, topic, f"probe-{uuid.uuid4().hex[:6]}")
     answers: list[str] = []
     cpu, wall = time.process_time(), time.monotonic()
     try:
@@ -154,3 +154,39 @@ def test_replicated_topic_survives_a_leader_kill_and_refuses_without_quorum(
         t.wire for prefix in ("before", "after-leader-kill", "restarted") for t in _turns(prefix, 20)
     }
     assert confirmed <= stored, sorted(confirmed - stored)[:5]
+
+
+def test_depth_probe_answers_again_once_a_leaderless_partition_has_a_leader(
+    kafka_cluster: KafkaCluster, topic: str
+) -> None:
+    """A reader that measured while a partition had no leader measures again once it has one.
+
+    One replica, so the partition is leaderless while its node is down. librdkafka keeps a
+    leaderless partition in the reader's metadata cache as a permanent error; before the probe
+    refreshed that cache itself, this reader answered ``_UNKNOWN_PARTITION`` for minutes after
+    the node was back, and the gateway refused every turn (seen in the replicated chaos run)."""
+    cluster = kafka_cluster
+    ensure_topic(admin_client(cluster.bootstrap), topic, 1, replication_factor=1)
+    leader = cluster.leader_of(topic)
+    cluster.kill(leader)
+    deadline = time.monotonic() + 30
+    while cluster.partitions(topic)[0][0] != -1:
+        assert time.monotonic() < deadline, cluster.partitions(topic)
+        time.sleep(0.2)
+    lag = GroupLag(cluster.bootstrap, topic, f"probe-{uuid.uuid4().hex[:6]}")
+    try:
+        with pytest.raises(DepthUnavailable, match="no leader"):
+            lag.measure(timeout_s=2.0)
+        cluster.start_node(leader)
+        assert cluster.leader_of(topic, timeout=30) == leader
+        answers: list[str] = []
+        deadline = time.monotonic() + 20
+        while not answers or answers[-1] != "0":
+            assert time.monotonic() < deadline, answers
+            try:
+                answers.append(str(lag.measure(timeout_s=2.0)))
+            except DepthUnavailable as exc:
+                answers.append(str(exc))
+            time.sleep(0.2)
+    finally:
+        lag.close(5.0)

@@ -121,9 +121,7 @@ def _settle(future: Any, timeout_s: float, *, retry_on: int, what: str) -> bool:
     return True
 
 
-def consumer_group_lag(
-    admin: AdminClient, topic: str, group: str, *, timeout_s: float, reader: Consumer
-) -> int:
+def consumer_group_lag(topic: str, group: str, *, timeout_s: float, reader: Consumer) -> int:
     """Turns accepted on ``topic`` that ``group`` has not committed past, summed over partitions.
 
     A partition without a committed offset counts from its low watermark. Any failure, including a
@@ -135,6 +133,13 @@ def consumer_group_lag(
     AdminClient's ListConsumerGroupOffsets: when the coordinator answers NOT_COORDINATOR (a fresh
     or restarted broker, a group it has not loaded yet) librdkafka dereferences the AdminClient's
     NULL group handle and the whole process dies with SIGSEGV (librdkafka issue #5040; seen here).
+
+    The topic's metadata is read with ``reader`` too, on every measurement, because that request
+    refreshes the reader's own metadata cache, which ``offsets_for_times`` finds the leaders in.
+    librdkafka takes a cached partition without a leader (as during an election) for a permanent
+    error and never refreshes it by itself: a reader that once saw a leaderless moment answered
+    ``_UNKNOWN_PARTITION`` for every measurement after the leaders were back (seen here, for
+    minutes, until ``metadata.max.age.ms``), and the gateway's admission refused every turn.
     """
     deadline = time.monotonic() + timeout_s
 
@@ -145,11 +150,14 @@ def consumer_group_lag(
         return left
 
     try:
-        metadata = admin.list_topics(topic=topic, timeout=timeout_s)
+        metadata = reader.list_topics(topic=topic, timeout=timeout_s)
         found = metadata.topics.get(topic)
         if found is None or found.error is not None:
             reason = found.error.name() if found is not None and found.error is not None else "missing"
             raise DepthUnavailable(f"kafka depth probe: topic {topic} is unavailable ({reason})")
+        leaderless = sorted(p.id for p in found.partitions.values() if p.leader < 0)
+        if leaderless:
+            raise DepthUnavailable(f"kafka depth probe: no leader for partitions {leaderless} of {topic}")
         partitions = sorted(found.partitions)
         highs = _watermarks(reader, topic, partitions, OFFSET_END, remaining())
         lows = _watermarks(reader, topic, partitions, OFFSET_BEGINNING, remaining())
@@ -207,8 +215,7 @@ class GroupLag:
     The reader is created on first use and used by one caller at a time (``measure`` serialises).
     """
 
-    def __init__(self, admin: AdminClient, bootstrap_servers: str, topic: str, group: str) -> None:
-        self._admin = admin
+    def __init__(self, bootstrap_servers: str, topic: str, group: str) -> None:
         self._bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.group = group
@@ -220,9 +227,7 @@ class GroupLag:
         with self._lock:
             if self._reader is None:
                 self._reader = offsets_reader(self._bootstrap_servers, self.group)
-            return consumer_group_lag(
-                self._admin, self.topic, self.group, timeout_s=timeout_s, reader=self._reader
-            )
+            return consumer_group_lag(self.topic, self.group, timeout_s=timeout_s, reader=self._reader)
 
     def close(self, timeout_s: float) -> None:
         """Close the reader, giving up after ``timeout_s`` (a measurement in flight may hold it)."""

@@ -46,7 +46,7 @@ class KafkaTransport:
             else settings.effective_visibility_timeout_s
         )
         self._admin = admin_client(self.bootstrap_servers)
-        self._lag = GroupLag(self._admin, self.bootstrap_servers, self.topic, self.group)
+        self._lag = GroupLag(self.bootstrap_servers, self.topic, self.group)
         self._producer = ConfirmingProducer(
             self.bootstrap_servers, self.topic, self.tuning, on_unsent=self._release_reserved
         )
