@@ -20,7 +20,7 @@ from testenv._common import free_port, port_open
 from testenv.node import NodeCluster
 from tests.e2e.harness import BASE_ENV, KEY, ROOT, Backend, post_turn
 from tests.e2e.sink import FencingSink
-from tests.node._support import describe, pods, ready
+from tests.node._support import describe, failure, pods, ready
 
 TENANT = "node-tests"
 TOKEN = "node-token-" + "z" * 24
@@ -141,8 +141,9 @@ class PodDispatch:
             if len(live) >= count:
                 return live
             time.sleep(1)
-        raise AssertionError(
-            f"{count} Ready worker pods of {self.name} not there after {timeout}s\n{describe(self.node, self.namespace)}"
+        raise failure(
+            f"{count} Ready worker pods of {self.name} not there after {timeout}s",
+            describe(self.node, self.namespace),
         )
 
     def wait_reconciled(self, timeout: float = 120) -> None:
@@ -266,8 +267,9 @@ class PodDispatch:
                 return items
             time.sleep(1)
         pending = [job for job, item in items.items() if item.state not in TERMINAL]
-        raise AssertionError(
-            f"{len(pending)} turns not terminal after {timeout}s, e.g. {pending[:3]}\n{describe(self.node, self.namespace)}"
+        raise failure(
+            f"{len(pending)} turns not terminal after {timeout}s, e.g. {pending[:3]}",
+            describe(self.node, self.namespace),
         )
 
     def violations(self, ids: list[str], sink: FencingSink) -> list[str]:

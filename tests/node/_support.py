@@ -46,6 +46,12 @@ def forbidden_lines(log: str) -> list[str]:
     ]
 
 
+def failure(reason: str, *detail: str) -> AssertionError:
+    """An AssertionError that states ``reason`` before and again after the (long) ``detail``: CI
+    shows a failure's message by its head and its tail, and cuts the middle."""
+    return AssertionError("\n".join((reason, *detail, f"=> {reason}")))
+
+
 def describe(node: NodeCluster, namespace: str) -> str:
     """Pods, events and the kubelet's last lines: what a failing assertion should show."""
     parts = [

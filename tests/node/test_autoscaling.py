@@ -27,7 +27,7 @@ from testenv.kafka import KafkaBroker
 from testenv.node import NodeCluster
 from testenv.postgres import PostgresServer
 from tests.node._dispatch import SCALING_CLAIM_TTL_S, PodDispatch
-from tests.node._support import describe
+from tests.node._support import describe, failure
 from tests.node.conftest import RELEASE_NAME, SlowSink
 
 pytestmark = pytest.mark.node
@@ -108,10 +108,10 @@ def _watch(
         if until(replicas, ad):
             return ad
         time.sleep(1)
-    raise AssertionError(
-        f"timed out after {timeout}s waiting for {what}; last samples {timeline.samples[-5:]}\n"
-        f"{node.kubectl('describe', 'hpa', '-n', dispatch.namespace, check=False).stdout[-3000:]}\n"
-        f"{describe(node, dispatch.namespace)}"
+    raise failure(
+        f"timed out after {timeout}s waiting for {what}; last samples {timeline.samples[-5:]}",
+        describe(node, dispatch.namespace),
+        node.kubectl("describe", "hpa", "-n", dispatch.namespace, check=False).stdout[-3000:],
     )
 
 

@@ -30,7 +30,7 @@ from testenv.node import NodeCluster
 from testenv.postgres import PostgresServer
 from tests._fixtures import start_or_skip
 from tests.node._dispatch import SCALING_CLAIM_TTL_S, PodDispatch
-from tests.node._support import describe
+from tests.node._support import describe, failure
 from tests.node.conftest import SlowSink
 
 pytestmark = pytest.mark.node
@@ -166,7 +166,7 @@ def _wait(predicate: Any, timeout: float, what: str, detail: Any) -> None:
         if predicate():
             return
         time.sleep(1)
-    raise AssertionError(f"{what} not seen after {timeout:.0f}s\n{detail()}")
+    raise failure(f"{what} not seen after {timeout:.0f}s", detail())
 
 
 @pytest.mark.timeout(900)
@@ -249,22 +249,31 @@ def _keda_run(
         },
     )
     watch: ReplicaWatch | None = None
+    started = time.monotonic()
+    #: When each step ended, in seconds from the start: where a slow or failed run spent its time.
+    steps: dict[str, float] = {}
+
+    def step(name: str) -> None:
+        steps[name] = round(time.monotonic() - started, 1)
 
     def keda_state() -> str:
+        # The pods' story first and the most telling lines last: CI shows a long message's tail.
         parts = [
+            describe(node, node_release),
             node.kubectl("get", "scaledobject,hpa", "-n", node_release, "-o", "yaml", check=False).stdout[
                 -4000:
             ],
             "--- keda-operator\n" + node_keda.log_tail("keda-operator", 30),
             "--- keda-adapter\n" + node_keda.log_tail("keda-adapter", 15),
-            f"--- (replicas, metric) {[(r, m) for _, r, m in (watch.samples if watch else [])][-90:]}",
-            describe(node, node_release),
+            f"--- {backend}: steps {steps}, (replicas, metric) every second since the submission "
+            f"{[(r, m) for _, r, m in (watch.samples if watch else [])][-90:]}",
         ]
         return "\n".join(parts)
 
     try:
         dispatch.apply()
         dispatch.wait_ready_workers(MIN_REPLICAS)
+        step("worker_ready")
         # KEDA takes the ScaledObject: it becomes Ready and KEDA's HPA for the Deployment appears.
         node.kubectl(
             "wait",
@@ -276,6 +285,7 @@ def _keda_run(
             check=False,
             timeout=150,
         )
+        step("scaledobject_ready")
         _wait(
             lambda: (
                 node.kubectl("get", "hpa", f"keda-hpa-{worker}", "-n", node_release, check=False).returncode
@@ -285,6 +295,7 @@ def _keda_run(
             f"KEDA's HPA keda-hpa-{worker}",
             keda_state,
         )
+        step("keda_hpa")
         hpa = json.loads(
             node.kubectl("get", "hpa", f"keda-hpa-{worker}", "-n", node_release, "-o", "json").stdout
         )
@@ -296,22 +307,28 @@ def _keda_run(
         assert external_metric(node, path) == 0, keda_state()
 
         dispatch.start_gateway()
+        step("gateway")
         watch = ReplicaWatch(node, node_release, worker, path).start()
         submitted_at = time.monotonic()
         ids = dispatch.submit(BACKLOG, sleep_s=SLEEP_S, sessions=BACKLOG, parallel=8)
+        step("submitted")
         # What KEDA serves while the backlog stands, and the count it implies.
         backlog_metric = external_metric(node, path)
         cap = min(MAX_REPLICAS, PARTITIONS) if backend == "kafka" else MAX_REPLICAS
         computed = min(cap, math.ceil(backlog_metric / TARGET_PER_REPLICA))
         assert computed == MAX_REPLICAS, (backlog_metric, keda_state())
         _wait(lambda: watch.current() >= computed, 180, f"{worker} scaled to {computed}", keda_state)
+        step("scaled_up")
         scaled_up_at = watch.first_time(lambda r, m: r >= computed, submitted_at)
         dispatch.wait_ready_workers(computed, timeout=180)
+        step("workers_ready")
 
         items = dispatch.wait_terminal(ids, timeout=600)
+        step("drained")
         assert len(items) == BACKLOG
         assert dispatch.violations(ids, node_sink) == []
         _wait(lambda: watch.current() == MIN_REPLICAS, 300, f"{worker} back to {MIN_REPLICAS}", keda_state)
+        step("scaled_down")
         watch.stop()
 
         assert watch.peak == computed, keda_state()  # never above maxReplicas (nor the partitions)
@@ -330,6 +347,7 @@ def _keda_run(
             "scale_up_s": round(scaled_up_at - submitted_at, 1),
             "scale_down_s": round(scaled_down_at - enough_at, 1),
             "run_s": round(scaled_down_at - submitted_at, 1),
+            "steps": steps,
             "series": [(round(t - submitted_at), r, m) for t, r, m in watch.samples],
         }
         return figures
