@@ -15,7 +15,7 @@ import pytest
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from agent_dispatch.errors import DepthUnavailable, Fenced, QueueFull
+from agent_dispatch.errors import BackendUnavailable, DepthUnavailable, Fenced, QueueFull
 from agent_dispatch.settings import load
 from agent_dispatch.transport import Delivery, OutboundTurn, Transport
 from agent_dispatch.transports.kafka import (
@@ -429,6 +429,75 @@ def test_close_is_bounded_while_the_broker_is_down_and_loses_nothing(
     after = make_transport(visibility_timeout_s=6.0)
     got = _in_thread(lambda: _claim_until(after, 3, owner="next", timeout=WAIT_S * 3), timeout=WAIT_S * 4)
     assert sorted(d.work_item_id for d in got) == ["t1", "t2", "t3"]
+
+
+def test_close_leaves_the_group_also_for_a_consumer_without_partitions(
+    make_transport: Callable[..., KafkaTransport], kafka_bootstrap: str, kafka_topic_name: str
+) -> None:
+    """Two worker threads on one partition: one consumer holds it, the other holds nothing. After
+    close() the group is empty at once. librdkafka's close alone sent no LeaveGroup for the member
+    without partitions, and the group kept it until its session timeout (45 s); every rebalance
+    waited for it meanwhile, so the partitions of workers that did leave sat idle too."""
+    group = f"g.{kafka_topic_name}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+
+    def members() -> int:
+        described = admin.describe_consumer_groups([group])[group].result(timeout=10)
+        return len(described.members)
+
+    transport = make_transport(partitions=1)
+    joined, closed = threading.Barrier(3), threading.Event()
+
+    def worker_thread() -> None:
+        transport.claim("w", wait_s=0.5)  # this thread's consumer joins the group
+        joined.wait(timeout=WAIT_S)
+        while not closed.is_set():
+            try:
+                transport.claim("w", wait_s=0.2)
+            except BackendUnavailable:
+                return  # close() has begun
+
+    threads = [threading.Thread(target=worker_thread) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    joined.wait(timeout=WAIT_S)
+    _eventually(lambda: members() == 2, "both consumers in the group")
+    try:
+        transport.close()
+    finally:
+        closed.set()
+        for thread in threads:
+            thread.join(timeout=WAIT_S)
+    # Well inside the session timeout (45 s): only a LeaveGroup empties the group this soon.
+    _eventually(lambda: members() == 0, "the group empty after close()", timeout=5.0)
+
+
+def test_close_waits_for_the_consumer_the_committer_is_closing(
+    make_transport: Callable[..., KafkaTransport], kafka_broker: KafkaBroker
+) -> None:
+    """A worker exits right after close(). The committer closes the consumer of a thread that has
+    exited (the worker's claim threads end before close() is called), and that close, cut short by
+    the exit, sent no LeaveGroup: the group kept the member until its session timeout, and its
+    partitions' turns waited 45 s for another worker (seen when the HPA scaled workers down). So
+    close() waits for that close too, within its own bound. The paused broker holds the close."""
+    transport = make_transport(close_timeout_s=5.0)
+    transport.admit([_turn("t0")])
+
+    def worker_thread() -> None:
+        (delivery,) = _claim_until(transport, 1)
+        transport.ack(delivery.receipt)
+
+    _in_thread(worker_thread)  # the thread is gone: its consumer is the committer's to close
+    kafka_broker.pause()
+    try:
+        time.sleep(1.5)  # the committer looks every second: it is inside that close now
+        started = time.monotonic()
+        transport.close()
+        took = time.monotonic() - started
+    finally:
+        kafka_broker.resume()
+    # Before: the committer was given at most 1 s, and close() returned while its close went on.
+    assert 2.0 < took < 5.0 + 1.5, f"close() took {took:.1f} s"
 
 
 def _admits(transport: KafkaTransport) -> bool:

@@ -50,6 +50,8 @@ class Committer:
             time.sleep(self._interval_s)  # let the acknowledgements of a burst pile into one commit
             retry = False
             for tc in self._consumers():
+                if self._stopping:
+                    return  # the pool's close takes the rest, in parallel
                 try:
                     if not tc.thread.is_alive():
                         self._forget(tc)
@@ -70,6 +72,8 @@ class Committer:
                 self._wake.set()
 
     def stop(self, timeout_s: float) -> None:
+        """Stop after the consumer in hand, waiting up to ``timeout_s`` for it: a close in progress
+        has to finish before the process exits, or the group never hears that it left."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=timeout_s)

@@ -408,6 +408,14 @@ class ThreadConsumer:
 
     def _close_client(self) -> None:
         try:
+            if not self.consumer.assignment():
+                # librdkafka's close sends no LeaveGroup for a cooperative member that holds no
+                # partition (the classic protocol's termination skips the leave when there is
+                # nothing to revoke). The group then waits out the member's session timeout
+                # (45 s) before any rebalance completes, so the partitions of workers that left
+                # properly sat idle too (seen when the HPA scaled workers down). An unsubscribe
+                # first leaves through the path that does send it.
+                self.consumer.unsubscribe()
             # Leaves the group at once (the partitions move now, not after a session timeout).
             self.consumer.close()
         except (KafkaException, RuntimeError) as exc:

@@ -101,9 +101,11 @@ class ConsumerPool:
     def close(self, timeout_s: float) -> None:
         """Commit and close every consumer in parallel, each abandoned after ``timeout_s``.
 
-        Refuses new consumers from the start. Between rounds the committer stops at once; closing
-        an exited thread's consumer, it keeps its own bound and needs no waiting for (that consumer
-        is no longer in the list).
+        Refuses new consumers from the start. The committer may be closing an exited thread's
+        consumer (no longer in the list): that close is waited for too, within the same deadline.
+        A worker exits right after this returns, and a close cut short by the exit sends no
+        LeaveGroup, so that consumer's partitions waited out the session timeout (45 s) before
+        any other worker got them (seen when the HPA scaled Kafka workers down).
         """
         deadline = time.monotonic() + max(0.0, timeout_s)
 
@@ -114,11 +116,11 @@ class ConsumerPool:
             self._closed = True
             consumers = list(self._consumers.values())
             self._consumers.clear()
-        if self._committer is not None:
-            self._committer.stop(timeout_s=min(left(), 1.0))
         closers = [threading.Thread(target=_close_within, args=(tc, left()), daemon=True) for tc in consumers]
         for closer in closers:
             closer.start()
+        if self._committer is not None:
+            self._committer.stop(timeout_s=left())
         for closer in closers:
             closer.join(left())
 
