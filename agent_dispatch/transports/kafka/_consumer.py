@@ -14,6 +14,7 @@ ones and counts redeliveries.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -407,15 +408,16 @@ class ThreadConsumer:
         return not closer.is_alive()
 
     def _close_client(self) -> None:
-        try:
+        # librdkafka's close sends no LeaveGroup for a cooperative member that holds no partition
+        # (the classic protocol's termination skips the leave when there is nothing to revoke).
+        # The group then waits out the member's session timeout (45 s) before any rebalance
+        # completes, so the partitions of workers that left properly sat idle too (seen when the
+        # HPA scaled workers down). An unsubscribe first leaves through the path that does send
+        # it; should it fail, the close below still runs (the member times out as before).
+        with contextlib.suppress(KafkaException, RuntimeError):
             if not self.consumer.assignment():
-                # librdkafka's close sends no LeaveGroup for a cooperative member that holds no
-                # partition (the classic protocol's termination skips the leave when there is
-                # nothing to revoke). The group then waits out the member's session timeout
-                # (45 s) before any rebalance completes, so the partitions of workers that left
-                # properly sat idle too (seen when the HPA scaled workers down). An unsubscribe
-                # first leaves through the path that does send it.
                 self.consumer.unsubscribe()
+        try:
             # Leaves the group at once (the partitions move now, not after a session timeout).
             self.consumer.close()
         except (KafkaException, RuntimeError) as exc:

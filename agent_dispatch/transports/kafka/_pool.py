@@ -104,8 +104,8 @@ class ConsumerPool:
         Refuses new consumers from the start. The committer may be closing an exited thread's
         consumer (no longer in the list): that close is waited for too, within the same deadline.
         A worker exits right after this returns, and a close cut short by the exit sends no
-        LeaveGroup, so that consumer's partitions waited out the session timeout (45 s) before
-        any other worker got them (seen when the HPA scaled Kafka workers down).
+        LeaveGroup: the group keeps that member until its session timeout (45 s), and every
+        rebalance waits for it meanwhile.
         """
         deadline = time.monotonic() + max(0.0, timeout_s)
 
